@@ -1,0 +1,60 @@
+"""Sessions: tests (CPU), vllm_tests, gpu_tests (off by default), lint.
+
+`nox` alone runs lint and the CPU tests, as CI does."""
+
+from __future__ import annotations
+
+import shutil
+
+import nox
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+# In dependency order: pip resolves the exact sibling pins from these paths.
+PACKAGES = ["glm5-policy", "glm5-kernels", "glm5-comm", "glm5-runtime"]
+CPU_TORCH = "torch==2.13.0"
+TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "transformers==5.17.0"]
+
+
+def _install(session: nox.Session, *packages: str) -> None:
+    for package in packages:
+        session.install("-e", f"packages/{package}")
+
+
+@nox.session(python="3.11")
+def tests(session: nox.Session) -> None:
+    """CPU suite: everything not marked gpu, multi_gpu or vllm."""
+    session.install(CPU_TORCH, *TEST_DEPS)
+    _install(session, *PACKAGES)
+    session.run(
+        "pytest",
+        "-m",
+        "not gpu and not multi_gpu and not vllm",
+        *session.posargs,
+        env={"TRITON_INTERPRET": "1"},
+    )
+
+
+@nox.session(python="3.11")
+def vllm_tests(session: nox.Session) -> None:
+    """The plugin against the real vllm==0.33.0 (a CUDA build of torch: a large venv)."""
+    session.install("vllm==0.33.0", *TEST_DEPS)
+    _install(session, *PACKAGES, "glm5-vllm")
+    session.run("pytest", "-m", "vllm", *session.posargs)
+
+
+@nox.session(venv_backend="none", default=False)
+def gpu_tests(session: nox.Session) -> None:
+    """GPU suite on the machine's own CUDA torch (GPU hosts have no package index)."""
+    if shutil.which("nvidia-smi") is None:
+        session.skip("no NVIDIA GPU on this machine")
+    paths = ":".join(f"packages/{p}/src" for p in PACKAGES)
+    session.run("python", "-m", "pytest", "-m", "gpu", *session.posargs, env={"PYTHONPATH": paths})
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    session.install("ruff==0.17.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")

@@ -1,0 +1,206 @@
+"""Policy tables: parsing, lookup, merge precedence and the error contract."""
+
+import json
+from itertools import pairwise
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from glm5_policy import (
+    FAMILIES,
+    MAX_TOKENS,
+    STAGES,
+    Policy,
+    PolicyError,
+    default_table,
+    parse_table,
+)
+
+STAGE_NAMES = sorted(STAGES)
+
+
+@st.composite
+def stage_tables(draw):
+    """A valid JSON stage entry: a choice, null, or disjoint ranges -> choice / null."""
+    stage = draw(st.sampled_from(STAGE_NAMES))
+    choices = sorted(STAGES[stage])
+    kind = draw(st.sampled_from(["choice", "null", "ranges"]))
+    if kind == "choice":
+        return stage, draw(st.sampled_from(choices))
+    if kind == "null":
+        return stage, None
+    cuts = sorted(draw(st.sets(st.integers(1, MAX_TOKENS), min_size=1, max_size=10)))
+    bounds = [*cuts, MAX_TOKENS + 1]
+    table = {}
+    for first, nxt in pairwise(bounds):
+        last = draw(st.integers(first, nxt - 1))
+        key = first if first == last and draw(st.booleans()) else f"{first}-{last}"
+        table[key] = draw(st.sampled_from([*choices, None]))
+    return stage, table
+
+
+tables = st.lists(stage_tables(), max_size=8).map(dict)
+
+
+def expected(value, tokens):
+    """The choice a raw JSON stage entry gives at `tokens`, computed independently."""
+    if value is None or isinstance(value, str):
+        return value
+    for key, choice in value.items():
+        first, _, last = str(key).partition("-")
+        if int(first) <= tokens <= int(last or first):
+            return choice
+    return None
+
+
+@given(tables)
+@settings(max_examples=300)
+def test_lookup_matches_the_table_and_tokens_is_its_inverse(table):
+    policy = Policy.from_json(table)
+    for stage in STAGES:
+        for tokens in range(1, MAX_TOKENS + 2):
+            want = (
+                expected(table[stage], tokens) if stage in table and tokens <= MAX_TOKENS else None
+            )
+            assert policy(stage, tokens) == want
+            assert policy.tables[stage].get(tokens) == want
+        for choice in STAGES[stage]:
+            chosen = policy.tokens(stage, choice)
+            assert all(policy(stage, t) == choice for t in chosen)
+            assert all(t in chosen for t in range(1, MAX_TOKENS + 1) if policy(stage, t) == choice)
+        assert policy.enabled(stage) == any(policy(stage, t) for t in range(1, MAX_TOKENS + 1))
+
+
+@given(tables)
+@settings(max_examples=200)
+def test_round_trip_through_json_text(table):
+    policy = Policy.from_json(json.dumps(table))
+    again = Policy.from_json(json.loads(json.dumps(policy.to_json())), family="sm100")
+    assert again == policy and hash(again) == hash(policy)
+    assert Policy(parse_table(table)) == Policy.from_json(table)
+
+
+@given(tables, st.sampled_from(FAMILIES))
+@settings(max_examples=200)
+def test_user_stages_replace_defaults_and_others_keep_them(table, family):
+    merged = Policy.from_json(table, family=family)
+    user, default = Policy.from_json(table), Policy.default(family)
+    for stage in STAGES:
+        source = user if stage in table else default
+        assert merged.tables[stage] == source.tables[stage]
+
+
+def test_equal_tables_written_differently_are_equal_and_hash_alike():
+    a = Policy.from_json({"moe": {"1-4": "grouped", "5-8": "grouped", "9": None}})
+    b = Policy.from_json({"moe": {"1-8": "grouped"}, "kda": None})
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a.to_json()["moe"] == {"1-8": "grouped"}
+
+
+def test_policy_is_immutable():
+    policy = Policy.default("sm90")
+    with pytest.raises((AttributeError, TypeError)):
+        policy._ranges = ()
+    with pytest.raises(TypeError):
+        policy.tables["moe"][1] = "grouped"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_default_tables_cover_every_stage_with_the_seeds_split(family):
+    table = default_table(family)
+    assert set(table) == set(STAGES)
+    policy = Policy.default(family)
+    # The seeds: per-route experts for small steps, grouped experts for large ones.
+    assert policy("moe", 1) == "per_route" and policy("moe", MAX_TOKENS) == "grouped"
+    assert all(policy.enabled(stage) for stage in STAGES)
+
+
+def problems_of(obj, **kw):
+    with pytest.raises(PolicyError) as info:
+        Policy.from_json(obj, **kw)
+    assert isinstance(info.value, ValueError)
+    return info.value.problems
+
+
+def test_every_problem_is_named_with_its_key_path():
+    problems = problems_of(
+        {
+            "moe": {"8-1": "grouped", "1-4": "per_route", "3-6": "grouped", "x": "grouped"},
+            "kda": {"0": "fused", 2.5: "fused", "70": "fused"},
+            "router": 3,
+            "dense_mlp": "cuda",
+            "mystery": "fused",
+        },
+        family="sm99",
+    )
+    text = "\n".join(problems)
+    for fragment in (
+        "policy['moe']['8-1']: reversed range",
+        "policy['moe']: ranges '1-4' and '3-6' overlap",
+        "policy['moe']['x']: 'x' is not a token count",
+        "policy['kda']['0']: token counts must be positive",
+        "policy['kda'][2.5]: token key must be an integer",
+        "policy['kda']['70']: '70' exceeds 64 tokens",
+        "policy['router']: expects a choice, null, or a mapping",
+        "policy['dense_mlp']: unknown choice 'cuda'",
+        "policy['mystery']: unknown stage",
+        "family: unknown GPU family 'sm99'",
+    ):
+        assert fragment in text
+    assert len(problems) == 10
+
+
+@pytest.mark.parametrize(
+    "obj, fragment",
+    [
+        ("{not json", "not valid JSON"),
+        ([["moe", "grouped"]], "expects a mapping of stage to table"),
+        ({"moe": {True: "grouped"}}, "token key must be an integer"),
+        ({"moe": {-3: "grouped"}}, "token counts must be positive"),
+        ({"moe": {"1-8": 1}}, "unknown choice 1"),
+        ({1: "grouped"}, "unknown stage"),
+    ],
+    ids=["json", "list", "bool-key", "negative", "int-choice", "int-stage"],
+)
+def test_bad_inputs(obj, fragment):
+    assert any(fragment in p for p in problems_of(obj))
+
+
+def test_lookups_name_unknown_stages_and_choices():
+    policy = Policy.default("sm100")
+    with pytest.raises(PolicyError, match="'nope': unknown stage"):
+        policy("nope", 1)
+    with pytest.raises(PolicyError, match="unknown choice 'fast'"):
+        policy.tokens("moe", "fast")
+
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-100, 100)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.sampled_from([*STAGES, "1-8", "8-1", "0", "64", "65", "grouped", "fused", "nvlink"]),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(
+            st.sampled_from([*STAGES, "1-8", "3", "9-9", "x", "70", "2-1"]) | st.text(max_size=5),
+            children,
+            max_size=5,
+        )
+    ),
+    max_leaves=20,
+)
+
+
+@given(json_values, st.sampled_from([None, *FAMILIES]))
+@settings(max_examples=2000)
+def test_fuzz_any_json_is_accepted_or_a_value_error(obj, family):
+    for candidate in (obj, json.dumps(obj)):
+        try:
+            policy = Policy.from_json(candidate, family=family)
+        except PolicyError as error:
+            assert error.problems and all(isinstance(p, str) for p in error.problems)
+        else:
+            assert Policy.from_json(policy.to_json()) == policy
