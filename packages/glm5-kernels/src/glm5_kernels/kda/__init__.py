@@ -1,0 +1,10 @@
+"""KDA: forget gate, short conv, delta-rule recurrence, gated output norm."""
+
+from glm5_kernels.kda.reference import (
+    gated_rms_norm_ref,
+    kda_gate_ref,
+    kda_recurrence_ref,
+    short_conv_ref,
+)
+
+__all__ = ["gated_rms_norm_ref", "kda_gate_ref", "kda_recurrence_ref", "short_conv_ref"]

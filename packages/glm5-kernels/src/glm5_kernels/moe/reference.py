@@ -1,0 +1,87 @@
+"""Routed mixture of experts with clamped SwiGLU, the executable spec.
+
+Routing (sigmoid scores with a correction bias that only steers the choice, n_group = 1):
+
+    s = sigmoid(logits);  ids = top-k(s + bias);  w = s[ids] / (Σ s[ids] + 1e-20) * routed_scaling
+
+Expert e (and the dense / shared MLP, w13 = cat(gate_proj, up_proj) rows):
+
+    [g, u] = x @ w13ᵀ;  a = silu(min(g, limit)) * clamp(u, -limit, limit);  y = a @ w2ᵀ
+    out[t] = Σ_i w[t, i] * expert_{ids[t, i]}(x[t])
+
+FP8 weights (128x128 block scales) are dequantized with glm5_kernels.quant; all math is fp32.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from glm5_kernels.quant.reference import dequantize_fp8_block_ref
+
+__all__ = ["dense_mlp_ref", "experts_ref", "route_ref", "swiglu_ref"]
+
+
+def route_ref(
+    logits: Tensor, bias: Tensor, top_k: int, routed_scaling: float, renormalize: bool = True
+) -> tuple[Tensor, Tensor]:
+    """logits [T,E] fp32, bias [E] -> weights [T,k] fp32, ids [T,k] int64 (descending s + bias)."""
+    scores = torch.sigmoid(logits.float())
+    choice = scores + bias.float()
+    # A stable full sort instead of topk: ties go to the lower expert id, and the order within
+    # a row is defined, so every implementation can be compared id-for-id.
+    ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling, ids
+
+
+def swiglu_ref(gate_up: Tensor, limit: float) -> Tensor:
+    """gate_up [..., 2I] -> [..., I] fp32: silu(min(gate, limit)) * clamp(up, ±limit)."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    # Asymmetric on purpose (as trained): silu is already bounded below, so only its top is cut.
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+def _weight(w: Tensor, scale: Tensor | None) -> Tensor:
+    return w.float() if scale is None else dequantize_fp8_block_ref(w, scale)
+
+
+def dense_mlp_ref(
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    limit: float,
+    w13_scale: Tensor | None = None,
+    w2_scale: Tensor | None = None,
+) -> Tensor:
+    """x [T,D], w13 [2I,D], w2 [D,I] (fp8 when scales given) -> [T,D] in x.dtype."""
+    a = swiglu_ref(x.float() @ _weight(w13, w13_scale).T, limit)
+    return (a @ _weight(w2, w2_scale).T).to(x.dtype)
+
+
+def experts_ref(
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    ids: Tensor,
+    weights: Tensor,
+    limit: float,
+    w13_scale: Tensor | None = None,
+    w2_scale: Tensor | None = None,
+) -> Tensor:
+    """x [T,D], w13 [E,2I,D], w2 [E,D,I], ids [T,k] int, weights [T,k] -> [T,D] fp32."""
+    num_experts = w13.shape[0]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    xf = x.float()
+    # Loop over the experts actually hit: dequantizing all 288 real experts would take ~10 GB.
+    # Ids outside [0, E) are skipped like transformers' expert-parallel sentinel id E.
+    for e in ids.unique().tolist():
+        if not 0 <= e < num_experts:
+            continue
+        tok, slot = torch.where(ids == e)
+        w13_e = _weight(w13[e], None if w13_scale is None else w13_scale[e])
+        w2_e = _weight(w2[e], None if w2_scale is None else w2_scale[e])
+        y = swiglu_ref(xf[tok] @ w13_e.T, limit) @ w2_e.T
+        out.index_add_(0, tok, y * weights[tok, slot, None].float())
+    return out

@@ -1,0 +1,71 @@
+"""Caches of the reference backbone, one set per TP rank, in vLLM 0.33's layouts.
+
+KDA layers (addressed by state slot, like vLLM's mamba-style state):
+  conv       [slots, W-1, conv_dim_local]   BF16  last W-1 inputs of q|k|v (rank's channels)
+  recurrent  [slots, heads_local, K, V]     FP32  delta-rule state
+MLA layers (paged by block table; slot = block * block_size + offset):
+  latent     [blocks, block_size, kv_lora]  BF16  normalized compressed KV (NoPE: no rope part)
+  index_raw  [blocks, block_size, 2 * hd]   BF16  indexer key | kpool gate score per token
+  kpool      [blocks, block_size // kpool, hd] BF16  compressed pool keys, written when a
+                                              pool's last token is written
+vLLM keeps raw indexer entries only for the incomplete pool (a ring); the reference keeps
+every token's so a rolled-back speculative pool can be recompressed without a ring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import Geometry
+
+
+@dataclass
+class RankCaches:
+    conv: dict[int, torch.Tensor] = field(default_factory=dict)
+    recurrent: dict[int, torch.Tensor] = field(default_factory=dict)
+    latent: dict[int, torch.Tensor] = field(default_factory=dict)
+    index_raw: dict[int, torch.Tensor] = field(default_factory=dict)
+    kpool: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def allocate(
+    g: Geometry,
+    *,
+    num_slots: int,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device | str,
+    layers: list[int],
+    mla_layers: set[int],
+    dtype: torch.dtype = torch.bfloat16,
+) -> RankCaches:
+    """Zeroed caches of one rank for `layers` (ids; MTP layers count as MLA). `dtype`
+    replaces BF16 (FP32 runs the whole reference at full precision for oracle checks)."""
+    if block_size % g.index_kpool:
+        raise ValueError(
+            f"block_size={block_size}: must be a multiple of index_kpool={g.index_kpool}"
+        )
+    tp = g.tp_size
+    qkv = g.linear_num_heads * g.linear_head_dim // tp
+    hk, kd, hd = g.linear_num_heads // tp, g.linear_head_dim, g.index_head_dim
+    c = RankCaches()
+    for layer in layers:
+        if layer in mla_layers:
+            c.latent[layer] = torch.zeros(
+                num_blocks, block_size, g.kv_lora_rank, dtype=dtype, device=device
+            )
+            c.index_raw[layer] = torch.zeros(
+                num_blocks, block_size, 2 * hd, dtype=dtype, device=device
+            )
+            c.kpool[layer] = torch.zeros(
+                num_blocks, block_size // g.index_kpool, hd, dtype=dtype, device=device
+            )
+        else:
+            w = g.linear_conv_kernel_dim - 1
+            c.conv[layer] = torch.zeros(num_slots, w, 3 * qkv, dtype=dtype, device=device)
+            c.recurrent[layer] = torch.zeros(
+                num_slots, hk, kd, kd, dtype=torch.float32, device=device
+            )
+    return c

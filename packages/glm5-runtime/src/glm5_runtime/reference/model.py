@@ -1,0 +1,260 @@
+"""The reference GLM-5.3-Flash decoder and MTP draft layer over vLLM-layout caches, with a
+scheduler-free batch API: `add` requests, `forward` a uniform step (a prefill of one
+request, a decode of 1 token or a verify of q tokens per request), `accept` a verify.
+
+    model = ReferenceModel.random(geometry("tiny"), max_requests=4, max_context=256)
+    a = model.add();  h = model.forward([a], prompt[None])          # prefill
+    h = model.forward([a], next_token[None, None])                  # decode
+    h = model.forward([a], tokens[None], verify=True); model.accept(a, n)   # MTP verify
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from glm5_kernels.mhc import hc_expand_ref, hc_head_ref, hc_post_ref, hc_pre_ref
+from glm5_kernels.norm import rms_norm_ref
+
+from .caches import allocate
+from .config import Geometry
+from .stages import RankStages, Step, reduce
+from .weights import load_rank, random_rank, random_state_dict
+
+
+class ReferenceModel:
+    def __init__(
+        self,
+        g: Geometry,
+        weights: Sequence[Mapping[str, Tensor]],
+        *,
+        max_requests: int,
+        max_context: int,
+        q: int = 1,
+        block_size: int = 64,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.bfloat16,
+    ):
+        if len(weights) != len(g.ranks):
+            raise ValueError(f"weights: {len(weights)} shards for ranks {g.ranks}")
+        self.g, self.q, self.device, self.block_size = g, q, torch.device(device), block_size
+        self.max_requests, self.max_context = max_requests, max_context
+        blocks = math.ceil(max_context / block_size)
+        self.mtp_layers = [g.num_hidden_layers + k for k in range(g.num_nextn_predict_layers)]
+        layers = list(range(g.num_hidden_layers)) + self.mtp_layers
+        mla = set(g.mla_layers) | set(self.mtp_layers)
+        # Each request owns q KDA state slots (vLLM's spec_state_indices row) and a fixed
+        # run of blocks; slot 0 of the cache stays a scratch row for padding.
+        self.ranks = [
+            RankStages(
+                g,
+                rank,
+                dict(w),
+                allocate(
+                    g,
+                    num_slots=1 + max_requests * q,
+                    num_blocks=max_requests * blocks,
+                    block_size=block_size,
+                    device=self.device,
+                    layers=layers,
+                    mla_layers=mla,
+                    dtype=dtype,
+                ),
+            )
+            for rank, w in zip(g.ranks, weights, strict=True)
+        ]
+        self.block_table = torch.arange(max_requests * blocks, device=self.device).view(
+            max_requests, blocks
+        )
+        self.state_slots = 1 + torch.arange(max_requests * q, device=self.device).view(
+            max_requests, q
+        )
+        self.lengths = [0] * max_requests
+        self.current = [0] * max_requests  # which of its q slots holds the request's state
+        self.pending: dict[int, int] = {}  # request -> length before an unaccepted verify
+        self.free = list(range(max_requests))
+
+    @classmethod
+    def random(
+        cls, g: Geometry, seed: int = 0, *, device="cpu", ue8m0=False, dtype=torch.bfloat16, **kw
+    ) -> ReferenceModel:
+        """Random weights: the full model sharded when all ranks are held, else each shard
+        drawn at its own size (a single rank of the flash model fits one GPU)."""
+        if g.full_tp:
+            sd = random_state_dict(g, seed)
+            return cls.from_state_dict(g, sd, device=device, ue8m0=ue8m0, dtype=dtype, **kw)
+        shards = [dict(random_rank(g, r, seed, device=device, ue8m0=ue8m0)) for r in g.ranks]
+        return cls(g, shards, device=device, dtype=dtype, **kw)
+
+    @classmethod
+    def from_state_dict(
+        cls, g: Geometry, state_dict, *, device="cpu", ue8m0=False, dtype=torch.bfloat16, **kw
+    ) -> ReferenceModel:
+        shards = [
+            load_rank(g, r, state_dict, device=device, ue8m0=ue8m0, dtype=dtype) for r in g.ranks
+        ]
+        return cls(g, shards, device=device, dtype=dtype, **kw)
+
+    # Requests.
+    def add(self) -> int:
+        if not self.free:
+            raise ValueError(f"max_requests={self.max_requests}: no free request")
+        r = self.free.pop(0)
+        self.lengths[r], self.current[r] = 0, 0
+        slots = self.state_slots[r]
+        for rank in self.ranks:
+            for cache in (*rank.c.conv.values(), *rank.c.recurrent.values()):
+                cache[slots] = 0
+        return r
+
+    def release(self, r: int) -> None:
+        self.pending.pop(r, None)
+        self.free.append(r)
+
+    def accept(self, r: int, n: int) -> None:
+        """Keep the first n tokens of request r's last verify step (vLLM's
+        num_accepted_tokens): KDA resumes from the state after token n."""
+        if r not in self.pending:
+            raise ValueError(f"request {r}: no verify step to accept")
+        start = self.pending[r]
+        if not 1 <= n <= self.lengths[r] - start:
+            raise ValueError(f"accept: n={n} outside 1..{self.lengths[r] - start}")
+        self.lengths[r], self.current[r] = start + n, n - 1
+        del self.pending[r]
+
+    # Steps.
+    def step(self, requests: Sequence[int], tokens: int, verify: bool = False) -> Step:
+        """The cache placement of `tokens` new tokens for each request."""
+        problems = [f"request {r}: not added" for r in requests if r in self.free]
+        problems += [
+            f"request {r}: a verify step awaits accept()" for r in requests if r in self.pending
+        ]
+        problems += [
+            f"request {r}: {self.lengths[r]} + {tokens} tokens exceed max_context={self.max_context}"
+            for r in requests
+            if r not in self.free and self.lengths[r] + tokens > self.max_context
+        ]
+        if verify and tokens > self.q:
+            problems.append(f"verify: {tokens} tokens per request exceed q={self.q}")
+        if problems:
+            raise ValueError("bad step:\n" + "\n".join(f"  - {p}" for p in problems))
+        dev, bs = self.device, self.block_size
+        rows = torch.tensor(list(requests), device=dev)
+        start = torch.tensor([self.lengths[r] for r in requests], device=dev)
+        positions = start[:, None] + torch.arange(tokens, device=dev)
+        table = self.block_table[rows]
+        slots = table.gather(1, positions // bs) * bs + positions % bs
+        current = torch.tensor([self.current[r] for r in requests], device=dev)
+        read = self.state_slots[rows, current]
+        if verify:
+            write = self.state_slots[rows, :tokens]
+        else:
+            write = torch.full((len(requests), tokens), -1, device=dev)
+            write[:, -1] = read
+        return Step(positions, slots, table, read, write, bs, keep_states=verify)
+
+    def forward(
+        self,
+        requests: Sequence[int],
+        tokens: Tensor,
+        *,
+        verify: bool = False,
+        step: Step | None = None,
+    ) -> Tensor:
+        """Final normalized hidden states [R, T, D] of T new tokens per request."""
+        self._check_tokens(tokens, len(requests))
+        R, T = tokens.shape
+        step = step or self.step(requests, T, verify)
+        h = self.backbone(tokens, step)
+        for r in requests:
+            if verify:
+                self.pending[r] = self.lengths[r]
+            self.lengths[r] += T
+        return h
+
+    def backbone(self, tokens: Tensor, step: Step) -> Tensor:
+        """The decoder over a placed step; writes the caches, keeps no Python state."""
+        g = self.g
+        x = reduce([rank.embed(tokens) for rank in self.ranks])
+        streams = hc_expand_ref(x.reshape(-1, g.hidden_size), g.hc_mult)
+        shape = x.shape
+        topk = None
+        for layer in range(g.num_hidden_layers):
+            p = f"layers.{layer}"
+            h = self._pre(streams, f"{p}.attn_hc", f"{p}.input_layernorm.weight")
+            if g.is_mla(layer):
+                outs = [rank.mla(layer, h[0].view(shape), step, topk) for rank in self.ranks]
+                topk = outs[0][1]
+                a = reduce([o for o, _ in outs])
+            else:
+                a = reduce([rank.kda(layer, h[0].view(shape), step) for rank in self.ranks])
+            streams = hc_post_ref(a.reshape(-1, g.hidden_size), streams, h[1], h[2])
+            h = self._pre(streams, f"{p}.ffn_hc", f"{p}.post_attention_layernorm.weight")
+            dense = g.mlp_layer_types[layer] == "dense"
+            m = reduce(
+                [
+                    (rank.dense_mlp if dense else rank.moe)(layer, h[0].view(shape))
+                    for rank in self.ranks
+                ]
+            )
+            streams = hc_post_ref(m.reshape(-1, g.hidden_size), streams, h[1], h[2])
+        out = rms_norm_ref(hc_head_ref(streams), self._w("norm.weight"), g.rms_norm_eps)
+        return out.view(shape)
+
+    def _pre(self, streams: Tensor, hc: str, norm: str) -> tuple[Tensor, Tensor, Tensor]:
+        g = self.g
+        post, comb, x = hc_pre_ref(
+            streams,
+            self._w(f"{hc}.fn"),
+            self._w(f"{hc}.scale"),
+            self._w(f"{hc}.base"),
+            rms_eps=g.rms_norm_eps,
+            hc_eps=g.hc_eps,
+            sinkhorn_iters=g.hc_sinkhorn_iters,
+        )
+        return rms_norm_ref(x, self._w(norm), g.rms_norm_eps), post, comb
+
+    def _w(self, name: str) -> Tensor:
+        """A replicated weight (every rank holds the same tensor)."""
+        return self.ranks[0].w[name]
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """[..., vocab] FP32: the all-gather of each rank's vocab slice."""
+        return torch.cat([rank.head(hidden) for rank in self.ranks], dim=-1)
+
+    # The MTP draft layer (no mHC): enorm/hnorm -> eh_proj -> MLA+MoE block -> head norm.
+    def draft_hidden(
+        self, requests: Sequence[int], tokens: Tensor, hidden: Tensor, step: Step, k: int = 0
+    ) -> Tensor:
+        """MTP layer k on (next token, main-model hidden) pairs at the same positions."""
+        g = self.g
+        layer = self.mtp_layers[k]
+        p = f"layers.{layer}"
+        e = rms_norm_ref(
+            reduce([rank.embed(tokens) for rank in self.ranks]),
+            self._w(f"{p}.enorm.weight"),
+            g.rms_norm_eps,
+        )
+        h = rms_norm_ref(hidden, self._w(f"{p}.hnorm.weight"), g.rms_norm_eps)
+        x = self.ranks[0].linear(torch.cat([e, h], dim=-1), f"{p}.eh_proj.weight")
+        a_in = rms_norm_ref(x, self._w(f"{p}.input_layernorm.weight"), g.rms_norm_eps)
+        x = x + reduce([rank.mla(layer, a_in, step, None)[0] for rank in self.ranks])
+        m_in = rms_norm_ref(x, self._w(f"{p}.post_attention_layernorm.weight"), g.rms_norm_eps)
+        x = x + reduce([rank.moe(layer, m_in) for rank in self.ranks])
+        return rms_norm_ref(x, self._w(f"{p}.shared_head.norm.weight"), g.rms_norm_eps)
+
+    def _check_tokens(self, tokens: Tensor, requests: int) -> None:
+        problems = []
+        if not isinstance(tokens, Tensor) or tokens.dtype not in (torch.int32, torch.int64):
+            problems.append(
+                f"tokens: expects an int32/int64 tensor, got {getattr(tokens, 'dtype', type(tokens))}"
+            )
+        elif tokens.dim() != 2 or tokens.shape[0] != requests or tokens.shape[1] < 1:
+            problems.append(f"tokens: expects shape [{requests}, T>=1], got {tuple(tokens.shape)}")
+        elif tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.g.vocab_size):
+            problems.append(f"tokens: ids outside the vocabulary 0..{self.g.vocab_size - 1}")
+        if problems:
+            raise ValueError("bad tokens:\n" + "\n".join(f"  - {p}" for p in problems))

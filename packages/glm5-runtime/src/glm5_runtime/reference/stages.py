@@ -1,0 +1,264 @@
+"""The stock stages of one TP rank, written plainly: each returns the rank's TP-partial
+output (the sum over ranks is the layer's output; `reduce` is that sum).
+
+Tensors: x [R, T, D] BF16 (R requests, T new tokens each); `Step` says where the tokens
+sit in the caches. Math follows transformers' Glm5Next (the oracle) with glm5-kernels'
+torch references as the one spec per op; matmuls of BF16 weights run in BF16 as
+`nn.Linear` does, mixing and recurrences in FP32."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from glm5_kernels.kda import gated_rms_norm_ref, kda_gate_ref, kda_recurrence_ref
+from glm5_kernels.moe import experts_ref, route_ref, swiglu_ref
+from glm5_kernels.norm import rms_norm_ref
+from glm5_kernels.quant import dequantize_fp8_block_ref
+
+from .caches import RankCaches
+from .config import Geometry
+
+
+@dataclass
+class Step:
+    """Where a uniform step's tokens go. positions/slots [R, T] int64 (slot = flat paged
+    cache index); block_table [R, blocks] int64; read_slots [R]: the KDA state each request
+    starts from; write_slots [R, T]: where the state after each token is stored (-1: not
+    stored; a decode writes in place, a verify keeps every token's state so acceptance
+    of n tokens resumes from write_slots[:, n - 1], as vLLM's spec decode does)."""
+
+    positions: Tensor
+    slots: Tensor
+    block_table: Tensor
+    read_slots: Tensor
+    write_slots: Tensor
+    block_size: int
+    keep_states: bool = False
+
+
+class RankStages:
+    """One rank's weights and caches, and the stock stages over them."""
+
+    def __init__(self, g: Geometry, rank: int, weights: dict[str, Tensor], caches: RankCaches):
+        self.g, self.rank, self.w, self.c = g, rank, weights, caches
+
+    def linear(self, x: Tensor, name: str) -> Tensor:
+        w = self.w[name]
+        if w.dtype == torch.float8_e4m3fn:
+            w = dequantize_fp8_block_ref(w, self.w[name + "_scale_inv"], dtype=x.dtype)
+        return F.linear(x, w)
+
+    # Embedding and head: vocab-parallel rows.
+    def embed(self, ids: Tensor) -> Tensor:
+        table = self.w["embed_tokens.weight"]
+        rows = table.shape[0]
+        local = ids - self.rank * rows
+        inside = (local >= 0) & (local < rows)
+        out = table[local.clamp(0, rows - 1)]
+        return out * inside[..., None].to(out.dtype)
+
+    def head(self, x: Tensor) -> Tensor:
+        """Logits of this rank's vocab slice [N, V / tp] FP32."""
+        return F.linear(x, self.w["lm_head.weight"]).float()
+
+    # KDA linear attention.
+    def kda(self, layer: int, x: Tensor, step: Step) -> Tensor:
+        g, a = self.g, f"layers.{layer}.self_attn"
+        R, T, _ = x.shape
+        mixed = torch.cat([self.linear(x, f"{a}.{p}_proj.weight") for p in "qkv"], dim=-1)
+        C = mixed.shape[-1]
+        conv, rec = self.c.conv[layer], self.c.recurrent[layer]
+        # Requests are independent channels / heads: stack them to run one sequence.
+        history = conv[step.read_slots]  # [R, W-1, C]
+        full = torch.cat([history, mixed], dim=1)  # [R, W-1+T, C]
+        weight = self.w[f"{a}.conv1d.weight"][:, 0].float()  # [C, W]
+        width = weight.shape[1]
+        windows = full.float().unfold(1, width, 1)  # [R, T, C, W]
+        y = F.silu((windows * weight).sum(-1)).to(x.dtype)
+        hk, kd = g.linear_num_heads // g.tp_size, g.linear_head_dim
+        q, k, v = (t.reshape(R, T, hk, kd) for t in y.split(C // 3, dim=-1))
+        f = self.linear(
+            self.linear(x, f"{a}.forget_gate.f_a_proj.weight"), f"{a}.forget_gate.f_b_proj.weight"
+        )
+        gate = kda_gate_ref(
+            f.reshape(R * T, -1),
+            self.w[f"{a}.forget_gate.dt_bias"],
+            self.w[f"{a}.forget_gate.A_log"],
+            g.linear_lower_bound,
+        ).reshape(R, T, hk, kd)
+        beta = torch.sigmoid(self.linear(x, f"{a}.b_proj.weight").float())  # [R, T, hk]
+
+        def heads(t: Tensor) -> Tensor:  # [R, T, hk, ...] -> [T, R*hk, ...]
+            return t.transpose(0, 1).reshape(T, R * hk, *t.shape[3:])
+
+        state = rec[step.read_slots].reshape(R * hk, kd, kd)
+        keep = step.keep_states and T > 1
+        o, final, states = kda_recurrence_ref(
+            heads(q), heads(k), heads(v), heads(gate), heads(beta), state, all_states=keep
+        )
+        # States after each token: every kept one for a verify, else the last.
+        ts = range(T) if keep else [T - 1]
+        for t in ts:
+            dest = step.write_slots[:, t]
+            s = final if states is None else states[t]
+            rec[dest] = s.reshape(R, hk, kd, kd)
+            conv[dest] = full[:, t + 1 : t + width].to(conv.dtype)
+        o = o.reshape(T, R, hk, kd).transpose(0, 1).to(x.dtype)
+        gate_o = self.linear(self.linear(x, f"{a}.g_a_proj.weight"), f"{a}.g_b_proj.weight")
+        o = gated_rms_norm_ref(
+            o, gate_o.reshape(R, T, hk, kd), self.w[f"{a}.o_norm.weight"], g.rms_norm_eps, x.dtype
+        )
+        return self.linear(o.reshape(R, T, hk * kd), f"{a}.o_proj.weight")
+
+    # MLA (NoPE) with the DSA indexer.
+    def mla(self, layer: int, x: Tensor, step: Step, topk: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Partial output and the token indices [R, T, index_topk + kpool - 1] it attended."""
+        g, a = self.g, f"layers.{layer}.self_attn"
+        R, T, _ = x.shape
+        eps = g.rms_norm_eps
+        q_resid = rms_norm_ref(
+            self.linear(x, f"{a}.q_a_proj.weight"), self.w[f"{a}.q_a_layernorm.weight"], eps
+        )
+        heads = g.num_attention_heads // g.tp_size
+        nope, vd, lora = g.qk_nope_head_dim, g.v_head_dim, g.kv_lora_rank
+        q = self.linear(q_resid, f"{a}.q_b_proj.weight").reshape(R, T, heads, nope)
+        kv = rms_norm_ref(
+            self.linear(x, f"{a}.kv_a_proj_with_mqa.weight"),
+            self.w[f"{a}.kv_a_layernorm.weight"],
+            eps,
+        )
+        latent = self.c.latent[layer].view(-1, lora)
+        latent[step.slots.reshape(-1)] = kv.reshape(-1, lora).to(latent.dtype)
+        if f"{a}.indexer.wk.weight" in self.w:
+            topk = self.indexer(layer, x, q_resid, step)
+        if topk is None:
+            raise ValueError(f"layers.{layer}: a shared indexer layer needs a full layer before it")
+        valid = topk >= 0  # [R, T, W]
+        idx = topk.clamp(min=0)
+        cached = latent[_slots(idx, step)].float()  # [R, T, W, lora]
+        # Absorbed MLA: q·(W_uk c) = (W_uk^T q)·c, and o = W_uv (p·c): exact, without
+        # expanding every selected token to all heads.
+        kv_b = self.w[f"{a}.kv_b_proj.weight"].float().reshape(heads, nope + vd, lora)
+        w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]
+        q_lat = torch.einsum("rthn,hnl->rthl", q.float(), w_uk)
+        scores = (
+            torch.einsum("rthl,rtwl->rthw", q_lat, cached) * (nope + g.qk_rope_head_dim) ** -0.5
+        )
+        scores = scores.masked_fill(~valid[:, :, None], float("-inf"))
+        p = torch.softmax(scores, dim=-1)
+        o = torch.einsum("rthw,rtwl->rthl", p, cached)
+        o = torch.einsum("rthl,hvl->rthv", o, w_uv).to(x.dtype)
+        return self.linear(o.reshape(R, T, heads * vd), f"{a}.o_proj.weight"), topk
+
+    def indexer(self, layer: int, x: Tensor, q_resid: Tensor, step: Step) -> Tensor:
+        """Top-k pools (+ the always-selected incomplete tail) per query, as token indices."""
+        g, n = self.g, f"layers.{layer}.self_attn.indexer"
+        R, T, _ = x.shape
+        ih, hd, kp = g.index_n_heads, g.index_head_dim, g.index_kpool
+        q = self.linear(q_resid, f"{n}.wq_b.weight").reshape(R, T, ih, hd)
+        k = F.layer_norm(
+            self.linear(x, f"{n}.wk.weight"),
+            (hd,),
+            self.w[f"{n}.k_norm.weight"],
+            self.w[f"{n}.k_norm.bias"],
+            1e-6,
+        )
+        gate = F.linear(x, self.w[f"{n}.index_kpool_compress_gate"])
+        raw = self.c.index_raw[layer].view(-1, 2 * hd)
+        raw[step.slots.reshape(-1)] = torch.cat([k, gate], -1).reshape(-1, 2 * hd).to(raw.dtype)
+        # Every token (re)compresses the last complete pool at or before it from the raw
+        # entries: tokens naming one pool compute one value, so a step's writes never
+        # conflict, and a pool completed by rejected draft tokens is redone when it
+        # completes again (until then it ends after every query and stays masked).
+        pos = step.positions
+        pool = ((pos + 1) // kp - 1).clamp(min=0)
+        members = pool[..., None] * kp + torch.arange(kp, device=pos.device)  # [R, T, kp]
+        keys, scores = raw[_slots(members, step)].split(hd, dim=-1)
+        logits = scores.float() + self.w[f"{n}.index_kpool_compress_ape"].float()
+        pooled = (torch.softmax(logits, dim=2).to(keys.dtype) * keys).sum(2)  # [R, T, hd]
+        kpool = self.c.kpool[layer]
+        kpool.view(-1, hd)[_slots(pool * kp, step) // kp] = pooled.to(kpool.dtype)
+        # Score every pool of the request's blocks; pools ending after the query are masked.
+        pools = kpool[step.block_table].reshape(R, -1, hd)  # [R, P, hd]
+        P = pools.shape[1]
+        s = torch.einsum("rtih,rph->rtip", q.float(), pools.float())
+        s = F.relu(s * hd**-0.5)
+        weights = F.linear(x, self.w[f"{n}.weights_proj.weight"]).float() * ih**-0.5
+        index_scores = torch.einsum("rti,rtip->rtp", weights, s)
+        ends = (torch.arange(P, device=pos.device) + 1) * kp - 1
+        visible = ends <= pos[..., None]  # [R, T, P]
+        index_scores = index_scores.masked_fill(~visible, float("-inf"))
+        count = min(g.index_topk // kp, P)
+        chosen = index_scores.topk(count, dim=-1).indices
+        chosen_ok = visible.gather(-1, chosen)
+        tokens = chosen[..., None] * kp + torch.arange(kp, device=pos.device)
+        tokens = tokens.masked_fill(~chosen_ok[..., None], -1).flatten(-2)
+        width = g.index_topk
+        if g.index_kpool_always_select_tail and kp > 1:
+            offsets = torch.arange(kp - 1, device=pos.device)
+            count = (pos + 1) % kp
+            tail = (pos + 1 - count)[..., None] + offsets
+            tail = tail.masked_fill(offsets >= count[..., None], -1)
+            tokens = torch.cat([tokens, tail], dim=-1)
+            width += kp - 1
+        return F.pad(tokens, (0, width - tokens.shape[-1]), value=-1)
+
+    # MLPs.
+    def dense_mlp(self, layer: int, x: Tensor) -> Tensor:
+        return self._swiglu_mlp(f"layers.{layer}.mlp", x)
+
+    def _swiglu_mlp(self, prefix: str, x: Tensor) -> Tensor:
+        gate_up = torch.cat(
+            [
+                self.linear(x, f"{prefix}.gate_proj.weight"),
+                self.linear(x, f"{prefix}.up_proj.weight"),
+            ],
+            -1,
+        )
+        act = swiglu_ref(gate_up.float(), self.g.swiglu_limit).to(x.dtype)
+        return self.linear(act, f"{prefix}.down_proj.weight")
+
+    def moe(self, layer: int, x: Tensor) -> Tensor:
+        g, m = self.g, f"layers.{layer}.mlp"
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        logits = F.linear(flat.float(), self.w[f"{m}.gate.weight"].float())
+        weights, ids = route_ref(
+            logits,
+            self.w[f"{m}.gate.e_score_correction_bias"],
+            g.num_experts_per_tok,
+            g.routed_scaling_factor,
+        )
+        routed = experts_ref(
+            flat,
+            self.w[f"{m}.experts.gate_up_proj"],
+            self.w[f"{m}.experts.down_proj"],
+            ids,
+            weights,
+            g.swiglu_limit,
+            self.w.get(f"{m}.experts.gate_up_proj_scale_inv"),
+            self.w.get(f"{m}.experts.down_proj_scale_inv"),
+        )
+        shared = self._swiglu_mlp(f"{m}.shared_experts", flat)
+        return (routed.to(x.dtype) + shared).reshape(shape)
+
+
+def _slots(index: Tensor, step: Step) -> Tensor:
+    """Flat paged-cache slots of token positions `index` [R, ...] through the block table."""
+    bs = step.block_size
+    R = index.shape[0]
+    flat = index.reshape(R, -1)
+    blocks = step.block_table.gather(1, (flat // bs).clamp(max=step.block_table.shape[1] - 1))
+    return (blocks * bs + flat % bs).reshape(index.shape)
+
+
+def reduce(partials: list[Tensor]) -> Tensor:
+    """The TP all-reduce of simulated ranks (FP32 sum, like a one-shot reduce)."""
+    out = partials[0].float()
+    for p in partials[1:]:
+        out = out + p.float()
+    return out.to(partials[0].dtype)
