@@ -1,10 +1,10 @@
 """mHC references against transformers' Glm5NextTextHyperConnection / HyperHead and the real
 decoder layer (whose post-mixing is inline code), plus Sinkhorn properties under hypothesis.
 
-Tolerances: fp32 outputs agree to rtol 1e-5 / atol 1e-6 (transformers uses F.linear on a 3-D
-input, we use a 2-D matmul: same math, different fp32 summation order, ~1e-7 relative, then
-amplified a little through 20 Sinkhorn divisions). Model-dtype (BF16) outputs may differ by one
-BF16 rounding (rtol 2^-8) because an fp32 input a few ulp apart can round either way.
+Tolerances: measured bit-identical on this CPU, but transformers runs F.linear on a 3-D input
+where we run a 2-D matmul, and another BLAS or thread count may sum in another order (~1e-7
+relative, amplified a little through 20 Sinkhorn divisions): fp32 rtol 1e-5 / atol 1e-6.
+Model-dtype (BF16) outputs may then differ by one BF16 rounding (an ulp is up to 2^-7 relative).
 """
 
 import pytest
@@ -29,7 +29,7 @@ from glm5_kernels.mhc import (
 from glm5_kernels.norm import rms_norm_ref
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
-BF16 = {"rtol": 2**-8, "atol": 1e-6}
+BF16 = {"rtol": 2**-7, "atol": 1e-6}
 
 
 def _tol(dtype):

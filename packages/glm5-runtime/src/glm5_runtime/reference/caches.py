@@ -2,14 +2,21 @@
 
 KDA layers (addressed by state slot, like vLLM's mamba-style state):
   conv       [slots, W-1, conv_dim_local]   BF16  last W-1 inputs of q|k|v (rank's channels)
-  recurrent  [slots, heads_local, K, V]     FP32  delta-rule state
+  recurrent  [slots, heads_local, V, K]     FP32  delta-rule state (V before K, as vLLM)
 MLA layers (paged by block table; slot = block * block_size + offset):
   latent     [blocks, block_size, kv_lora]  BF16  normalized compressed KV (NoPE: no rope part)
   index_raw  [blocks, block_size, 2 * hd]   BF16  indexer key | kpool gate score per token
   kpool      [blocks, block_size // kpool, hd] BF16  compressed pool keys, written when a
                                               pool's last token is written
-vLLM keeps raw indexer entries only for the incomplete pool (a ring); the reference keeps
-every token's so a rolled-back speculative pool can be recompressed without a ring.
+Where the reference is simpler than vLLM (same values, other bookkeeping):
+- vLLM keeps raw indexer entries only for the incomplete pool (a ring of
+  kpool * next_pow2(ceil((kpool + spec) / kpool)) per request); the reference keeps every
+  token's, so a pool completed by rejected draft tokens is simply recompressed later.
+- vLLM stores pool keys Hadamard-rotated in FP8 with power-of-two scales and quantizes the
+  indexer query; the reference keeps transformers' BF16 pool keys (the oracle's numbers).
+- vLLM keeps one conv state of W-1+spec columns per request and offsets its window by the
+  accepted count; the reference keeps a W-1 window in each of the request's q state slots,
+  beside the recurrent states (the same rollback, one slot per verified token).
 """
 
 from __future__ import annotations

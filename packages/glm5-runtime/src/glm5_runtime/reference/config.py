@@ -8,8 +8,48 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+FP8_BLOCK = 128
+
 # Fields read from a Glm5NextTextConfig (same names, same defaults = GLM-5.3-Flash).
-_HF_FIELDS = ["vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "n_shared_experts", "n_routed_experts", "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "n_group", "topk_group", "num_experts_per_tok", "norm_topk_prob", "hidden_act", "rms_norm_eps", "index_topk", "index_head_dim", "index_n_heads", "swiglu_limit", "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim", "linear_lower_bound", "hc_mult", "hc_eps", "hc_sinkhorn_iters", "index_kpool", "index_kpool_always_select_tail", "layer_types", "mlp_layer_types", "indexer_types"]
+_HF_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "n_shared_experts",
+    "n_routed_experts",
+    "routed_scaling_factor",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "qk_nope_head_dim",
+    "n_group",
+    "topk_group",
+    "num_experts_per_tok",
+    "norm_topk_prob",
+    "hidden_act",
+    "rms_norm_eps",
+    "index_topk",
+    "index_head_dim",
+    "index_n_heads",
+    "swiglu_limit",
+    "linear_head_dim",
+    "linear_num_heads",
+    "linear_conv_kernel_dim",
+    "linear_lower_bound",
+    "hc_mult",
+    "hc_eps",
+    "hc_sinkhorn_iters",
+    "index_kpool",
+    "index_kpool_always_select_tail",
+    "layer_types",
+    "mlp_layer_types",
+    "indexer_types",
+)
 
 
 @dataclass(frozen=True)
@@ -130,6 +170,13 @@ class Geometry:
         ):
             if getattr(self, name) % tp:
                 p.append(f"{name}={getattr(self, name)}: not divisible by tp_size={tp}")
+        for name in ("intermediate_size", "moe_intermediate_size"):
+            # FP8 128x128 block scales must not straddle two ranks' rows.
+            if tp > 1 and (getattr(self, name) // tp) % FP8_BLOCK:
+                p.append(
+                    f"{name}={getattr(self, name)}: each of tp_size={tp} shards must be a "
+                    f"multiple of the {FP8_BLOCK}-wide FP8 block"
+                )
         if not self.ranks or any(r not in range(tp) for r in self.ranks):
             p.append(f"ranks={self.ranks}: expects distinct ranks in 0..{tp - 1}")
         elif len(set(self.ranks)) != len(self.ranks):
@@ -197,8 +244,9 @@ def geometry(name: str, **overrides: Any) -> Geometry:
 TINY: dict[str, Any] = dict(
     vocab_size=512,
     hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
+    # 256: two FP8 blocks, so TP 2 shards keep whole blocks.
+    intermediate_size=256,
+    moe_intermediate_size=256,
     num_hidden_layers=8,
     num_attention_heads=4,
     num_key_value_heads=4,

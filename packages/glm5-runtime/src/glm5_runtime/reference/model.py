@@ -133,7 +133,8 @@ class ReferenceModel:
             f"request {r}: a verify step awaits accept()" for r in requests if r in self.pending
         ]
         problems += [
-            f"request {r}: {self.lengths[r]} + {tokens} tokens exceed max_context={self.max_context}"
+            f"request {r}: {self.lengths[r]} + {tokens} tokens exceed "
+            f"max_context={self.max_context}"
             for r in requests
             if r not in self.free and self.lengths[r] + tokens > self.max_context
         ]
@@ -166,7 +167,7 @@ class ReferenceModel:
     ) -> Tensor:
         """Final normalized hidden states [R, T, D] of T new tokens per request."""
         self._check_tokens(tokens, len(requests))
-        R, T = tokens.shape
+        T = tokens.shape[1]
         step = step or self.step(requests, T, verify)
         h = self.backbone(tokens, step)
         for r in requests:
@@ -249,9 +250,8 @@ class ReferenceModel:
     def _check_tokens(self, tokens: Tensor, requests: int) -> None:
         problems = []
         if not isinstance(tokens, Tensor) or tokens.dtype not in (torch.int32, torch.int64):
-            problems.append(
-                f"tokens: expects an int32/int64 tensor, got {getattr(tokens, 'dtype', type(tokens))}"
-            )
+            got = getattr(tokens, "dtype", type(tokens).__name__)
+            problems.append(f"tokens: expects an int32/int64 tensor, got {got}")
         elif tokens.dim() != 2 or tokens.shape[0] != requests or tokens.shape[1] < 1:
             problems.append(f"tokens: expects shape [{requests}, T>=1], got {tuple(tokens.shape)}")
         elif tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.g.vocab_size):

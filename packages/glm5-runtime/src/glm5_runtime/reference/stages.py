@@ -95,7 +95,8 @@ class RankStages:
         def heads(t: Tensor) -> Tensor:  # [R, T, hk, ...] -> [T, R*hk, ...]
             return t.transpose(0, 1).reshape(T, R * hk, *t.shape[3:])
 
-        state = rec[step.read_slots].reshape(R * hk, kd, kd)
+        # vLLM keeps the recurrent state as [slots, heads, V, K]; the recurrence runs [K, V].
+        state = rec[step.read_slots].transpose(-1, -2).reshape(R * hk, kd, kd)
         keep = step.keep_states and T > 1
         o, final, states = kda_recurrence_ref(
             heads(q), heads(k), heads(v), heads(gate), heads(beta), state, all_states=keep
@@ -105,7 +106,7 @@ class RankStages:
         for t in ts:
             dest = step.write_slots[:, t]
             s = final if states is None else states[t]
-            rec[dest] = s.reshape(R, hk, kd, kd)
+            rec[dest] = s.reshape(R, hk, kd, kd).transpose(-1, -2)
             conv[dest] = full[:, t + 1 : t + width].to(conv.dtype)
         o = o.reshape(T, R, hk, kd).transpose(0, 1).to(x.dtype)
         gate_o = self.linear(self.linear(x, f"{a}.g_a_proj.weight"), f"{a}.g_b_proj.weight")
