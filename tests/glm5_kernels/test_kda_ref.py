@@ -38,9 +38,13 @@ BF16_ULP = {"rtol": 2**-7, "atol": 1e-6}
 
 def _config(heads=4, head_dim=16, hidden=64, **kw):
     return Glm5NextTextConfig(
-        hidden_size=hidden, hc_mult=4, linear_num_heads=heads, linear_head_dim=head_dim,
-        num_hidden_layers=4, **kw,
-    )  # fmt: skip
+        hidden_size=hidden,
+        hc_mult=4,
+        linear_num_heads=heads,
+        linear_head_dim=head_dim,
+        num_hidden_layers=4,
+        **kw,
+    )
 
 
 def _dt_bias(n, gen):
@@ -67,7 +71,7 @@ def _kda_inputs(t, heads, dim, gen, lower_bound=-5.0):
 @pytest.mark.parametrize("t", [1, 3, 17])
 def test_kda_gate_matches_forget_gate(t, lower_bound, spread):
     config = _config(linear_lower_bound=lower_bound)
-    config.linear_lower_bound = lower_bound  # the config replaces None by its default
+    assert config.linear_lower_bound == lower_bound
     gen = torch.Generator().manual_seed(t)
     gate = Glm5NextTextForgetGate(config)
     with torch.no_grad():
@@ -150,9 +154,15 @@ def test_recurrence_matches_recurrent_kda(t, heads, dim):
     state_before = state.clone()
     o, final, states = kda_recurrence_ref(q, k, v, g, beta, state)
     want_o, want_final = recurrent_kimi_delta_attention(
-        q[None], k[None], v[None], g[None], beta[None], state[None].clone(),
-        output_final_state=True, use_qk_l2norm_in_kernel=True,
-    )  # fmt: skip
+        q[None],
+        k[None],
+        v[None],
+        g[None],
+        beta[None],
+        state[None].clone(),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
     assert states is None and o.dtype == final.dtype == torch.float32
     torch.testing.assert_close(o, want_o[0], **RECURRENT)
     torch.testing.assert_close(final, want_final[0], **RECURRENT)
@@ -161,7 +171,9 @@ def test_recurrence_matches_recurrent_kda(t, heads, dim):
 
 @pytest.mark.parametrize("initial", ["zero-state", "random-state"])
 @pytest.mark.parametrize(
-    ("t", "chunk"), [(17, 64), (17, 16), (37, 16), (64, 16)], ids=lambda v: str(v)
+    ("t", "chunk"),
+    [(17, 64), (17, 16), (37, 16), (64, 16)],
+    ids=["T17-chunk64", "T17-chunk16", "T37-chunk16", "T64-chunk16"],
 )
 def test_recurrence_matches_chunked_kda_prefill(t, chunk, initial):
     gen = torch.Generator().manual_seed(t + chunk)
@@ -172,9 +184,16 @@ def test_recurrence_matches_chunked_kda_prefill(t, chunk, initial):
         state = 0.5 * torch.randn(heads, dim, dim, generator=gen)
     o, final, _ = kda_recurrence_ref(q, k, v, g, beta, state)
     want_o, want_final = chunk_kimi_delta_attention(
-        q[None], k[None], v[None], g[None], beta[None], chunk_size=chunk,
-        initial_state=state[None].clone(), output_final_state=True, use_qk_l2norm_in_kernel=True,
-    )  # fmt: skip
+        q[None],
+        k[None],
+        v[None],
+        g[None],
+        beta[None],
+        chunk_size=chunk,
+        initial_state=state[None].clone(),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
     torch.testing.assert_close(o, want_o[0], **CHUNKED)
     torch.testing.assert_close(final, want_final[0], **CHUNKED)
 
@@ -194,8 +213,9 @@ def test_prefill_then_decode_equals_full(seed, t, data):
     )
     outs, s = [o1], mid
     for i in range(split, t):  # decode: one token at a time
-        oi, s, _ = kda_recurrence_ref(q[i : i + 1], k[i : i + 1], v[i : i + 1],
-                                      g[i : i + 1], beta[i : i + 1], s)  # fmt: skip
+        oi, s, _ = kda_recurrence_ref(
+            q[i : i + 1], k[i : i + 1], v[i : i + 1], g[i : i + 1], beta[i : i + 1], s
+        )
         outs.append(oi)
     assert torch.equal(torch.cat(outs), o) and torch.equal(s, final)
     assert states.shape == (t, 2, 8, 8)
@@ -203,8 +223,11 @@ def test_prefill_then_decode_equals_full(seed, t, data):
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize(("t", "heads", "dim"), [(1, 4, 16), (17, 4, 16), (2, 64, 128)],
-                         ids=["T1-H4-V16", "T17-H4-V16", "T2-H64-V128-flash"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("t", "heads", "dim"),
+    [(1, 4, 16), (17, 4, 16), (2, 64, 128)],
+    ids=["T1-H4-V16", "T17-H4-V16", "T2-H64-V128-flash"],
+)
 def test_gated_rms_norm_matches_transformers(t, heads, dim, out_dtype):
     gen = torch.Generator().manual_seed(t * dim)
     norm = Glm5NextTextRMSNormGated(dim, eps=1e-5)

@@ -7,6 +7,8 @@ relative, amplified a little through 20 Sinkhorn divisions): fp32 rtol 1e-5 / at
 Model-dtype (BF16) outputs may then differ by one BF16 rounding (an ulp is up to 2^-7 relative).
 """
 
+from itertools import pairwise
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -38,9 +40,14 @@ def _tol(dtype):
 
 def _config(hidden=64, **kw):
     return Glm5NextTextConfig(
-        hidden_size=hidden, hc_mult=4, linear_num_heads=4, linear_head_dim=16,
-        num_hidden_layers=4, intermediate_size=96, **kw,
-    )  # fmt: skip
+        hidden_size=hidden,
+        hc_mult=4,
+        linear_num_heads=4,
+        linear_head_dim=16,
+        num_hidden_layers=4,
+        intermediate_size=96,
+        **kw,
+    )
 
 
 def _randomize_hc(hc, gen):
@@ -142,9 +149,15 @@ def test_boundary_matches_decoder_layer(t, dtype):
     )
     attn_out = seen["attn"][1][0]
     streams1, post_f, comb_f, normed_f = hc_fused_post_pre_ref(
-        attn_out, streams0[0], post_a, comb_a, *_params(layer.ffn_hc),
-        layer.post_attention_layernorm.weight, **kw, norm_eps=eps,
-    )  # fmt: skip
+        attn_out,
+        streams0[0],
+        post_a,
+        comb_a,
+        *_params(layer.ffn_hc),
+        layer.post_attention_layernorm.weight,
+        **kw,
+        norm_eps=eps,
+    )
     assert streams1.dtype == dtype and normed_f.dtype == dtype
     torch.testing.assert_close(normed_f, seen["mlp"][0][0], **_tol(dtype))
     final = hc_post_ref(seen["mlp"][1][0], streams1, post_f, comb_f)
@@ -177,7 +190,7 @@ def test_head_and_expand(dtype):
 def test_sinkhorn_properties(seed, t, comb_scale, base_std, magnitude):
     """For any realistic input: comb is non-negative and its columns sum to 1 (the last Sinkhorn
     step normalizes columns: exact up to the hc_eps in the denominator). Its rows only sum to 1
-    as far as 20 iterations converge: the L1 row error never grows with more iterations, and is
+    as far as 20 iterations converge: the L1 row error does not grow with more iterations, and is
     < 1e-3 for small logit spreads (base_std <= 0.3) — but NOT in general (base_std 1..2 leaves
     rows off by up to ~3e-2), so kernels must run exactly the same iterations. pre is in
     (hc_eps, 1 + hc_eps], post in [0, 2]; the mixing is invariant to the streams' magnitude
@@ -197,7 +210,7 @@ def test_sinkhorn_properties(seed, t, comb_scale, base_std, magnitude):
         (hc_mix_ref(streams, fn, scale, base, sinkhorn_iters=n, **kw)[2].sum(-1) - 1).abs().sum(-1)
         for n in (1, 2, 5, 20)
     ]
-    for fewer, more in zip(row_err, row_err[1:], strict=False):
+    for fewer, more in pairwise(row_err):
         assert (more <= fewer + 1e-5).all()
     if base_std <= 0.3:
         assert row_err[-1].max() < 1e-3
@@ -209,8 +222,8 @@ def test_sinkhorn_properties(seed, t, comb_scale, base_std, magnitude):
 
 
 def test_sinkhorn_iteration_count_matters():
-    """The iteration structure is part of the spec: one fewer iteration changes comb (so a
-    kernel that stops early or starts with rows fails the comparison above)."""
+    """The iteration count is part of the spec: with a wide logit spread, stopping one
+    iteration early (or starting with rows) changes comb by far more than the tolerances."""
     gen = torch.Generator().manual_seed(11)
     h, d = 4, 64
     fn = 0.02 * torch.randn((2 + h) * h, h * d, generator=gen)
@@ -219,5 +232,5 @@ def test_sinkhorn_iteration_count_matters():
     streams = torch.randn(3, h, d, generator=gen)
     kw = {"rms_eps": 1e-5, "hc_eps": 1e-6}
     _, _, c20 = hc_mix_ref(streams, fn, scale, base, sinkhorn_iters=20, **kw)
-    _, _, c3 = hc_mix_ref(streams, fn, scale, base, sinkhorn_iters=3, **kw)
-    assert (c20 - c3).abs().max() > 1e-4
+    _, _, c19 = hc_mix_ref(streams, fn, scale, base, sinkhorn_iters=19, **kw)
+    assert (c20 - c19).abs().max() > 1e-4

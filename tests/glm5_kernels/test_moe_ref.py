@@ -25,10 +25,18 @@ CLOSE = {"rtol": 1e-5, "atol": 1e-5}
 
 def _config(hidden=64, experts=8, top_k=3, inter=32, limit=1.5, **kw):
     config = Glm5NextTextConfig(
-        hidden_size=hidden, n_routed_experts=experts, num_experts_per_tok=top_k,
-        moe_intermediate_size=inter, intermediate_size=2 * inter, hc_mult=4,
-        linear_num_heads=4, linear_head_dim=16, num_hidden_layers=4, swiglu_limit=limit, **kw,
-    )  # fmt: skip
+        hidden_size=hidden,
+        n_routed_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=inter,
+        intermediate_size=2 * inter,
+        hc_mult=4,
+        linear_num_heads=4,
+        linear_head_dim=16,
+        num_hidden_layers=4,
+        swiglu_limit=limit,
+        **kw,
+    )
     config._experts_implementation = "eager"  # the plain loop (what the module is when loaded)
     return config
 
@@ -56,7 +64,9 @@ def test_route_matches_topk_router(t, d, e, k, renormalize):
     h = torch.randn(t, d, generator=gen)
     with torch.no_grad():
         logits, want_w, want_ids = router(h)
-    weights, ids = route_ref(logits, router.e_score_correction_bias, k, 2.5, renormalize)
+    weights, ids = route_ref(
+        logits, router.e_score_correction_bias, k, config.routed_scaling_factor, renormalize
+    )
     assert ids.dtype == torch.int64 and weights.dtype == torch.float32 and ids.shape == (t, k)
     order = want_ids.argsort(-1)
     mine = ids.argsort(-1)
@@ -144,8 +154,11 @@ def _routing(t, e, k, gen):
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16-weights", "fp8-weights"])
-@pytest.mark.parametrize(("t", "d", "inter"), [(1, 64, 32), (3, 64, 32), (17, 200, 150)],
-                         ids=["T1-D64-I32", "T3-D64-I32", "T17-D200-I150"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("t", "d", "inter"),
+    [(1, 64, 32), (3, 64, 32), (17, 200, 150)],
+    ids=["T1-D64-I32", "T3-D64-I32", "T17-D200-I150"],
+)
 def test_experts_match_transformers_experts(t, d, inter, fp8):
     config = _config(hidden=d, inter=inter)
     gen = torch.Generator().manual_seed(7 * t + d)
@@ -205,8 +218,10 @@ def test_flash_size_expert_fp8_round_trip():
     config = _config(hidden=d, experts=1, top_k=1, inter=inter, limit=10.0)
     gen = torch.Generator().manual_seed(2048)
     experts = _experts(config, gen)
-    (w13, s13), (w2, s2) = (quantize_fp8_block_ref(p.detach(), ue8m0=True)
-                            for p in (experts.gate_up_proj, experts.down_proj))  # fmt: skip
+    (w13, s13), (w2, s2) = (
+        quantize_fp8_block_ref(p.detach(), ue8m0=True)
+        for p in (experts.gate_up_proj, experts.down_proj)
+    )
     assert s13.shape == (1, 32, 32) and s2.shape == (1, 32, 16)
     x = torch.randn(t, d, generator=gen)
     ids, weights = torch.zeros(t, 1, dtype=torch.int64), torch.full((t, 1), 2.5)

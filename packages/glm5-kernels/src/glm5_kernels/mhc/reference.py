@@ -6,7 +6,7 @@ The residual is H parallel streams [T, H, D]. Before each sublayer ("pre"):
     m       = x̂ @ fn.T                      split into  m_pre [H], m_post [H], m_comb [H, H]
     pre     = sigmoid(m_pre  * scale[0] + base[:H])   + hc_eps
     post    = 2 * sigmoid(m_post * scale[1] + base[H:2H])
-    comb    = Sinkhorn(softmax(m_comb * scale[2] + base[2H:], over columns) + hc_eps)
+    comb    = Sinkhorn(softmax_rows(m_comb * scale[2] + base[2H:]) + hc_eps)
     collapsed = sum_h pre[h] * streams[h]                                        (sublayer input)
 
 Sinkhorn, exactly as transformers iterates it (the softmax already normalized rows, so it

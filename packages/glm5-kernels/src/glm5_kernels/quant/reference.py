@@ -6,7 +6,7 @@ With ue8m0=True each scale is rounded UP to a power of two (DeepGEMM's UE8M0 sca
 8-bit exponent); rounding up keeps |w / scale| <= 448, so nothing saturates. All-zero blocks
 get scale 1.
 
-Error bound (derived in tests/glm5_kernels/test_quant.py): per block, max|w - deq| / amax(|w_b|)
+Error bound (derived in tests/glm5_kernels/test_quant_ref.py): per block, max|w - deq| / amax(|w_b|)
 <= 1/28 with fp32 scales and <= 1/16 with UE8M0 scales (half an e4m3 ulp at the top binade).
 """
 

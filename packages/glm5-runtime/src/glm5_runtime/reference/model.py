@@ -157,6 +157,17 @@ class ReferenceModel:
             write[:, -1] = read
         return Step(positions, slots, table, read, write, bs, keep_states=verify)
 
+    def place(self, requests: Sequence[int], positions: Tensor) -> Step:
+        """A Step at explicit positions [R, T] that writes no KDA state (the MTP layer's
+        steps, and benchmarks that pin a context length)."""
+        rows = torch.tensor(list(requests), device=self.device)
+        table = self.block_table[rows]
+        bs = self.block_size
+        slots = table.gather(1, positions // bs) * bs + positions % bs
+        read = self.state_slots[rows, 0]
+        write = read[:, None].expand(-1, positions.shape[1]).contiguous()
+        return Step(positions, slots, table, read, write, bs)
+
     def forward(
         self,
         requests: Sequence[int],

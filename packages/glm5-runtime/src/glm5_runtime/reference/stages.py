@@ -234,7 +234,8 @@ class RankStages:
             g.num_experts_per_tok,
             g.routed_scaling_factor,
         )
-        routed = experts_ref(
+        experts = _experts_by_slot if flat.is_cuda else experts_ref
+        routed = experts(
             flat,
             self.w[f"{m}.experts.gate_up_proj"],
             self.w[f"{m}.experts.down_proj"],
@@ -246,6 +247,19 @@ class RankStages:
         )
         shared = self._swiglu_mlp(f"{m}.shared_experts", flat)
         return (routed.to(x.dtype) + shared).reshape(shape)
+
+
+def _experts_by_slot(x, w13, w2, ids, weights, limit, w13_scale, w2_scale) -> Tensor:
+    """`experts_ref` without host syncs or data-dependent shapes, so a CUDA graph can
+    capture it: each of the k route slots gathers its experts' FP8 weights per token."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for j in range(ids.shape[1]):
+        e = ids[:, j]
+        up = dequantize_fp8_block_ref(w13[e], w13_scale[e], dtype=x.dtype)  # [N, 2I, D]
+        h = swiglu_ref(torch.bmm(up, x[:, :, None]).squeeze(-1).float(), limit).to(x.dtype)
+        down = dequantize_fp8_block_ref(w2[e], w2_scale[e], dtype=x.dtype)  # [N, D, I]
+        out += torch.bmm(down, h[:, :, None]).squeeze(-1).float() * weights[:, j : j + 1]
+    return out
 
 
 def _slots(index: Tensor, step: Step) -> Tensor:

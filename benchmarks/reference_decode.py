@@ -1,0 +1,107 @@
+"""The reference backbone's decode step on one GPU: build a geometry (default
+flash-tp4-rank: what one rank of a TP4 deployment holds), pin every request at a context
+length, capture one decode step (backbone + logits) in a CUDA graph and time its replay.
+
+This is the stock side that specialized kernels are measured against, not a fast path.
+With one rank held, the TP reduce is the identity (no peers), so the numbers are one
+rank's compute and memory traffic, without all-reduce latency.
+
+    PYTHONPATH=packages/glm5-kernels/src:packages/glm5-runtime/src \\
+        python benchmarks/reference_decode.py --out benchmarks/results/reference_decode_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from datetime import date
+
+import torch
+
+from glm5_runtime.reference import ReferenceModel, geometry
+
+
+def time_graph(graph: torch.cuda.CUDAGraph, iters: int) -> list[float]:
+    """Milliseconds per replay, one CUDA event pair each."""
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--geometry", default="flash-tp4-rank")
+    parser.add_argument("--batches", default="1,8,64")
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    g = geometry(args.geometry)
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    model = ReferenceModel.random(
+        g, seed=0, device="cuda", max_requests=max(batches), max_context=args.context + 8
+    )
+    torch.cuda.synchronize()
+    build_s = time.perf_counter() - start
+    held = sum(t.numel() * t.element_size() for rank in model.ranks for t in rank.w.values())
+    print(
+        f"built {args.geometry} in {build_s:.0f}s: weights {held / 2**30:.1f} GiB, "
+        f"allocated {torch.cuda.memory_allocated() / 2**30:.1f} GiB"
+    )
+    rows = []
+    for b in batches:
+        requests = list(range(b))
+        positions = torch.full((b, 1), args.context, device="cuda")
+        step = model.place(requests, positions)
+        tokens = torch.randint(0, g.vocab_size, (b, 1), device="cuda")
+        with torch.no_grad():
+            model.logits(model.backbone(tokens, step))  # warm up outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                model.logits(model.backbone(tokens, step))
+        time_graph(graph, 2)
+        ms = time_graph(graph, args.iters)
+        row = {
+            "batch": b,
+            "context": args.context,
+            "median_ms": statistics.median(ms),
+            "min_ms": min(ms),
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        }
+        print(row)
+        rows.append(row)
+        del graph
+        torch.cuda.empty_cache()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    result = {
+        "benchmark": "reference_decode",
+        "geometry": args.geometry,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": date.today().isoformat(),
+        "commit": commit.stdout.strip() or "unknown",
+        "command": "python benchmarks/reference_decode.py "
+        + " ".join(f"--{k} {v}" for k, v in vars(args).items() if v is not None and k != "out"),
+        "build_seconds": build_s,
+        "weights_gib": held / 2**30,
+        "rows": rows,
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
