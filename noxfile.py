@@ -1,4 +1,4 @@
-"""Sessions: tests (CPU), vllm_tests, gpu_tests (off by default), lint.
+"""Sessions: tests (CPU), demo, vllm_tests, gpu_tests (off by default), lint.
 
 `nox` alone runs lint and the CPU tests, as CI does."""
 
@@ -51,6 +51,15 @@ def gpu_tests(session: nox.Session) -> None:
         session.skip("no NVIDIA GPU on this machine")
     paths = ":".join(f"packages/{p}/src" for p in PACKAGES)
     session.run("python", "-m", "pytest", "-m", "gpu", *session.posargs, env={"PYTHONPATH": paths})
+
+
+@nox.session(python="3.11")
+def demo(session: nox.Session) -> None:
+    """The main job: the reference backbone serving prompts with MTP drafting (CPU, tiny);
+    pass options after --, e.g. `nox -s demo -- --device cuda --geometry flash-tp4-rank`."""
+    session.install(CPU_TORCH)
+    _install(session, *PACKAGES)
+    session.run("glm5-decode", "demo", *session.posargs)
 
 
 @nox.session(python="3.11")

@@ -67,7 +67,7 @@ def test_accepting_n_of_q_restores_kda_state_exactly_and_continues_like_n_decode
     assert model.lengths[a] == model.lengths[b] == 17
     slot_b = model.state_slots[b, model.current[b]]
     for rank in model.ranks:
-        for layer, rec in rank.c.recurrent.items():
+        for _layer, rec in rank.c.recurrent.items():
             torch.testing.assert_close(rec[kept], rec[slot_b], rtol=1e-5, atol=1e-5)
     assert relative(model.forward([a], after), model.forward([b], after)) < TOL
 

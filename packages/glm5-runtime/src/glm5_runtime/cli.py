@@ -102,7 +102,7 @@ def demo(args) -> None:
                     n += 1
                 model.accept(r, n)
                 nxt = predicted[:, n - 1 : n]
-                produced += block[0, 1:n].tolist() + [nxt.item()]
+                produced += [*block[0, 1:n].tolist(), nxt.item()]
                 drafts = draft(
                     model, r, torch.cat([block[:, 1:n], nxt], 1), hidden[:, :n], base + 1, args.spec
                 )
