@@ -111,9 +111,8 @@ def demo(args) -> None:
                 step_times.append(time.perf_counter() - t0)
                 accepted_total += n
                 steps_total += 1
-            print(
-                f"prompt {p}: {len(produced)} tokens: {produced[:12]}{' ...' if len(produced) > 12 else ''}"
-            )
+            more = " ..." if len(produced) > 12 else ""
+            print(f"prompt {p}: {len(produced)} tokens: {produced[:12]}{more}")
             model.release(r)
     total = sum(step_times)
     print(
