@@ -36,6 +36,18 @@ def test_verify_of_q_tokens_equals_q_single_decodes():
     assert relative(verified, singles) < TOL
 
 
+def conv_window(model, r):
+    """Each KDA layer's conv window [W-1, C] that request r's next step reads."""
+    step = model.step([r], 1)
+    width = model.g.linear_conv_kernel_dim
+    cols = step.conv_offset[0] + torch.arange(width - 1)
+    return [
+        rank.c.conv[layer][step.conv_slots[0], cols]
+        for rank in model.ranks
+        for layer in rank.c.conv
+    ]
+
+
 def test_accepting_n_of_q_restores_kda_state_exactly_and_continues_like_n_decodes():
     g = geometry("tiny")
     model = ReferenceModel.random(
@@ -44,32 +56,49 @@ def test_accepting_n_of_q_restores_kda_state_exactly_and_continues_like_n_decode
     prompt, draft, after = tokens(15, 4), tokens(4, 5), tokens(1, 6)
     a, b = model.add(), model.add()
     model.forward([a, b], torch.cat([prompt, prompt]))
-    model.forward([a], draft, verify=True)
-    # The state after drafted token 2, as the verify stored it.
+    step = model.step([a], 4, verify=True)
+    model.forward([a], draft, verify=True, step=step)
+    # What the verify stored after drafted token 2: its recurrent state and conv inputs.
     kept = model.state_slots[a, 1]
-    snapshot = [
-        (rank.c.recurrent[layer][kept].clone(), rank.c.conv[layer][kept].clone())
-        for rank in model.ranks
-        for layer in rank.c.recurrent
+    recurrent = [
+        rank.c.recurrent[layer][kept].clone() for rank in model.ranks for layer in rank.c.recurrent
     ]
     model.accept(a, 2)  # reject the last two drafted tokens
-    read = model.step([a], 1).read_slots
-    assert read.tolist() == [kept.item()]
-    restored = [
-        (rank.c.recurrent[layer][kept], rank.c.conv[layer][kept])
-        for rank in model.ranks
-        for layer in rank.c.recurrent
-    ]
-    for (rec, conv), (rec0, conv0) in zip(restored, snapshot, strict=True):
-        assert torch.equal(rec, rec0) and torch.equal(conv, conv0)
+    assert model.step([a], 1).read_slots.tolist() == [kept.item()]
+    restored = [rank.c.recurrent[layer][kept] for rank in model.ranks for layer in rank.c.recurrent]
+    assert all(torch.equal(x, y) for x, y in zip(restored, recurrent, strict=True))
     for i in range(2):
         model.forward([b], draft[:, i : i + 1])
     assert model.lengths[a] == model.lengths[b] == 17
+    # The conv window after accepting 2 holds the raw inputs of prompt[-1], draft[0], draft[1]:
+    # the same window two single decodes leave (equal up to batched-matmul rounding).
+    for wa, wb in zip(conv_window(model, a), conv_window(model, b), strict=True):
+        torch.testing.assert_close(wa, wb, rtol=1e-5, atol=1e-5)
     slot_b = model.state_slots[b, model.current[b]]
     for rank in model.ranks:
-        for _layer, rec in rank.c.recurrent.items():
+        for rec in rank.c.recurrent.values():
             torch.testing.assert_close(rec[kept], rec[slot_b], rtol=1e-5, atol=1e-5)
     assert relative(model.forward([a], after), model.forward([b], after)) < TOL
+
+
+def test_accept_all_then_verify_again_matches_decodes():
+    """Two verify rounds with different accept counts against the same tokens decoded."""
+    g = geometry("tiny")
+    model = ReferenceModel.random(
+        g, seed=8, max_requests=2, max_context=96, q=3, block_size=16, dtype=torch.float32
+    )
+    prompt, d1, d2 = tokens(10, 12), tokens(3, 13), tokens(3, 14)
+    a, b = model.add(), model.add()
+    model.forward([a, b], torch.cat([prompt, prompt]))
+    model.forward([a], d1, verify=True)
+    model.accept(a, 3)
+    got = model.forward([a], d2, verify=True)
+    model.accept(a, 1)
+    for t in torch.cat([d1, d2[:, :1]], dim=1)[0]:
+        want = model.forward([b], t.view(1, 1))
+    assert relative(got[:, :1], want) < TOL
+    nxt = tokens(1, 15)
+    assert relative(model.forward([a], nxt), model.forward([b], nxt)) < TOL
 
 
 def test_a_batch_decodes_like_its_requests_alone(tiny_fp32):

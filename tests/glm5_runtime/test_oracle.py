@@ -5,8 +5,9 @@ and after each of 16 decode steps. In FP32 both sides compute the same math in a
 op order, so errors stay at ~1e-6; the bound 1e-4 leaves 100x headroom while any semantic
 slip (a wrong pool, a missed tail token, a transposed mixer) shows as >= 1e-3. BF16 is
 checked against the FP32 oracle on a routing-free model (MoE top-k flips under any
-perturbation make a bf16 bound meaningless there): the reference's BF16 error must be within
-2.5x of transformers' own BF16 error against the same FP32 oracle.
+perturbation make a bf16 bound meaningless there) whose indexer selects every pool: the
+reference's BF16 error must be within 1.25x of transformers' own BF16 error against the same
+FP32 oracle (it is smaller in practice: the reference mixes mHC streams in FP32).
 """
 
 import pytest
@@ -63,15 +64,20 @@ def test_prefill_and_16_decode_steps_match_transformers(name):
     assert max(errors) < 1e-4, errors
 
 
-def test_bf16_reference_is_as_close_to_the_fp32_oracle_as_transformers_bf16():
+@pytest.mark.parametrize("seed", [2, 3, 4])
+def test_bf16_reference_is_as_close_to_the_fp32_oracle_as_transformers_bf16(seed):
+    # top-64 over 7 pools selects every pool: a near-tie in the pool scores cannot flip
+    # the selection between the BF16 and FP32 runs (with top-2 of 7 one seed in three
+    # flips a pool and both BF16 runs land 4-8% away from FP32).
     g = geometry(
         "tiny",
         num_hidden_layers=2,
         layer_types=("linear_attention", "deepseek_sparse_attention"),
         mlp_layer_types=("dense", "dense"),
         indexer_types=("full", "full"),
+        index_topk=64,
     )
-    model, oracle, _ = build_pair(g, seed=2, dtype=torch.bfloat16)
+    model, oracle, _ = build_pair(g, seed=seed, dtype=torch.bfloat16)
     prompt = torch.randint(0, g.vocab_size, (1, 29), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = oracle(input_ids=prompt, use_cache=False).last_hidden_state
@@ -79,6 +85,5 @@ def test_bf16_reference_is_as_close_to_the_fp32_oracle_as_transformers_bf16():
         theirs = oracle.to(torch.bfloat16)(input_ids=prompt, use_cache=False).last_hidden_state
     assert got.dtype == torch.bfloat16
     ours, bf16_floor = relative(got, want), relative(theirs, want)
-    print(f"bf16 error vs fp32 oracle: reference {ours:.4f}, transformers bf16 {bf16_floor:.4f}")
-    # Seen: 0.076 vs 0.040 (the indexer's top-2 of 7 pools flips on near-ties in BF16).
-    assert ours < 2.5 * bf16_floor + 1e-3
+    # Seen: 0.0088 / 0.0074 / 0.0079 vs transformers' 0.0101 / 0.0079 / 0.0089.
+    assert ours < 1.25 * bf16_floor

@@ -1,7 +1,8 @@
 """Caches of the reference backbone, one set per TP rank, in vLLM 0.33's layouts.
 
 KDA layers (addressed by state slot, like vLLM's mamba-style state):
-  conv       [slots, W-1, conv_dim_local]   BF16  last W-1 inputs of q|k|v (rank's channels)
+  conv       [slots, W-2+q, conv_dim_local] BF16  raw q|k|v inputs (rank's channels): a W-1
+                                              window at the accepted offset ("SD" layout)
   recurrent  [slots, heads_local, V, K]     FP32  delta-rule state (V before K, as vLLM)
 MLA layers (paged by block table; slot = block * block_size + offset):
   latent     [blocks, block_size, kv_lora]  BF16  normalized compressed KV (NoPE: no rope part)
@@ -14,9 +15,9 @@ Where the reference is simpler than vLLM (same values, other bookkeeping):
   token's, so a pool completed by rejected draft tokens is simply recompressed later.
 - vLLM stores pool keys Hadamard-rotated in FP8 with power-of-two scales and quantizes the
   indexer query; the reference keeps transformers' BF16 pool keys (the oracle's numbers).
-- vLLM keeps one conv state of W-1+spec columns per request and offsets its window by the
-  accepted count; the reference keeps a W-1 window in each of the request's q state slots,
-  beside the recurrent states (the same rollback, one slot per verified token).
+- KDA rollback is vLLM's: q recurrent slots per request (the state after each verified
+  token; accepting n resumes from slot n - 1) and one conv row of W-2+q columns in the
+  request's first slot whose window starts at column n - 1.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def allocate(
     layers: list[int],
     mla_layers: set[int],
     dtype: torch.dtype = torch.bfloat16,
+    q: int = 1,
 ) -> RankCaches:
     """Zeroed caches of one rank for `layers` (ids; MTP layers count as MLA). `dtype`
     replaces BF16 (FP32 runs the whole reference at full precision for oracle checks)."""
@@ -70,8 +72,8 @@ def allocate(
                 num_blocks, block_size // g.index_kpool, hd, dtype=dtype, device=device
             )
         else:
-            w = g.linear_conv_kernel_dim - 1
-            c.conv[layer] = torch.zeros(num_slots, w, 3 * qkv, dtype=dtype, device=device)
+            cols = g.linear_conv_kernel_dim - 2 + q
+            c.conv[layer] = torch.zeros(num_slots, cols, 3 * qkv, dtype=dtype, device=device)
             c.recurrent[layer] = torch.zeros(
                 num_slots, hk, kd, kd, dtype=torch.float32, device=device
             )

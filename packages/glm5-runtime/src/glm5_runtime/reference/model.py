@@ -62,6 +62,7 @@ class ReferenceModel:
                     layers=layers,
                     mla_layers=mla,
                     dtype=dtype,
+                    q=q,
                 ),
             )
             for rank, w in zip(g.ranks, weights, strict=True)
@@ -155,7 +156,8 @@ class ReferenceModel:
         else:
             write = torch.full((len(requests), tokens), -1, device=dev)
             write[:, -1] = read
-        return Step(positions, slots, table, read, write, bs, keep_states=verify)
+        conv = self.state_slots[rows, 0]
+        return Step(positions, slots, table, read, write, conv, current, bs, keep_states=verify)
 
     def place(self, requests: Sequence[int], positions: Tensor) -> Step:
         """A Step at explicit positions [R, T] that writes no KDA state (the MTP layer's
@@ -166,7 +168,7 @@ class ReferenceModel:
         slots = table.gather(1, positions // bs) * bs + positions % bs
         read = self.state_slots[rows, 0]
         write = read[:, None].expand(-1, positions.shape[1]).contiguous()
-        return Step(positions, slots, table, read, write, bs)
+        return Step(positions, slots, table, read, write, read, torch.zeros_like(read), bs)
 
     def forward(
         self,

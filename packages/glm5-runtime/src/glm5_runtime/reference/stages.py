@@ -26,16 +26,20 @@ from .config import Geometry
 @dataclass
 class Step:
     """Where a uniform step's tokens go. positions/slots [R, T] int64 (slot = flat paged
-    cache index); block_table [R, blocks] int64; read_slots [R]: the KDA state each request
-    starts from; write_slots [R, T]: where the state after each token is stored (-1: not
-    stored; a decode writes in place, a verify keeps every token's state so acceptance
-    of n tokens resumes from write_slots[:, n - 1], as vLLM's spec decode does)."""
+    cache index); block_table [R, blocks] int64. KDA, as vLLM's spec decode keeps it:
+    read_slots [R]: the recurrent state each request starts from; write_slots [R, T]: where
+    the state after each token goes (-1: not stored; a decode writes in place, a verify keeps
+    every token's, so accepting n resumes from write_slots[:, n - 1]); conv_slots [R]: the
+    request's conv state row, whose W-1 window starts at column conv_offset [R] (n - 1
+    after accepting n)."""
 
     positions: Tensor
     slots: Tensor
     block_table: Tensor
     read_slots: Tensor
     write_slots: Tensor
+    conv_slots: Tensor
+    conv_offset: Tensor
     block_size: int
     keep_states: bool = False
 
@@ -73,10 +77,11 @@ class RankStages:
         C = mixed.shape[-1]
         conv, rec = self.c.conv[layer], self.c.recurrent[layer]
         # Requests are independent channels / heads: stack them to run one sequence.
-        history = conv[step.read_slots]  # [R, W-1, C]
-        full = torch.cat([history, mixed], dim=1)  # [R, W-1+T, C]
         weight = self.w[f"{a}.conv1d.weight"][:, 0].float()  # [C, W]
         width = weight.shape[1]
+        window = step.conv_offset[:, None] + torch.arange(width - 1, device=x.device)
+        rows = step.conv_slots[:, None]
+        full = torch.cat([conv[rows, window], mixed], dim=1)  # [R, W-1+T, C]
         windows = full.float().unfold(1, width, 1)  # [R, T, C, W]
         y = F.silu((windows * weight).sum(-1)).to(x.dtype)
         hk, kd = g.linear_num_heads // g.tp_size, g.linear_head_dim
@@ -101,13 +106,16 @@ class RankStages:
         o, final, states = kda_recurrence_ref(
             heads(q), heads(k), heads(v), heads(gate), heads(beta), state, all_states=keep
         )
-        # States after each token: every kept one for a verify, else the last.
-        ts = range(T) if keep else [T - 1]
-        for t in ts:
-            dest = step.write_slots[:, t]
+        # Recurrent states after each token: every kept one for a verify, else the last.
+        for t in range(T) if keep else [T - 1]:
             s = final if states is None else states[t]
-            rec[dest] = s.reshape(R, hk, kd, kd).transpose(-1, -2)
-            conv[dest] = full[:, t + 1 : t + width].to(conv.dtype)
+            rec[step.write_slots[:, t]] = s.reshape(R, hk, kd, kd).transpose(-1, -2)
+        # Conv rows: a verify stores its W-2+T newest inputs from column 0, so the window
+        # after accepting n starts at column n - 1; other steps overwrite their window.
+        if keep:
+            conv[rows, torch.arange(width - 2 + T, device=x.device)] = full[:, 1:].to(conv.dtype)
+        else:
+            conv[rows, window] = full[:, -(width - 1) :].to(conv.dtype)
         o = o.reshape(T, R, hk, kd).transpose(0, 1).to(x.dtype)
         gate_o = self.linear(self.linear(x, f"{a}.g_a_proj.weight"), f"{a}.g_b_proj.weight")
         o = gated_rms_norm_ref(
