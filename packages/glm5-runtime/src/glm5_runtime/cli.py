@@ -47,22 +47,6 @@ def greedy(model: ReferenceModel, hidden: torch.Tensor) -> torch.Tensor:
     return model.logits(hidden).argmax(-1)
 
 
-def draft(model, r, tokens, hiddens, start, k):
-    """The MTP layer over (token at p, main hidden at p - 1) pairs from `start`, then
-    k - 1 more steps on its own output: k drafted tokens [1, k]."""
-    out = []
-    positions = start + torch.arange(tokens.shape[1], device=model.device)[None]
-    h = model.draft_hidden([r], tokens, hiddens, model.place([r], positions))[:, -1:]
-    t = greedy(model, h)
-    out.append(t)
-    for j in range(1, k):
-        pos = positions[:, -1:] + j
-        h = model.draft_hidden([r], t, h, model.place([r], pos))
-        t = greedy(model, h)
-        out.append(t)
-    return torch.cat(out, dim=1)
-
-
 def demo(args) -> None:
     g = geometry(args.geometry)
     device = torch.device(args.device)
@@ -89,7 +73,15 @@ def demo(args) -> None:
             r = model.add()
             hidden = model.forward([r], prompt)
             nxt = greedy(model, hidden[:, -1:])
-            drafts = draft(model, r, torch.cat([prompt[:, 1:], nxt], 1), hidden, 1, args.spec)
+            # The MTP layer pairs each target hidden state h_i with token i + 1.
+            drafts = model.draft(
+                [r],
+                torch.cat([prompt[:, 1:], nxt], 1),
+                hidden,
+                0,
+                args.spec,
+                share_index=args.share_index,
+            )
             produced = [nxt.item()]
             for _ in range(args.steps):
                 t0 = time.perf_counter()
@@ -103,8 +95,9 @@ def demo(args) -> None:
                 model.accept(r, n)
                 nxt = predicted[:, n - 1 : n]
                 produced += [*block[0, 1:n].tolist(), nxt.item()]
-                drafts = draft(
-                    model, r, torch.cat([block[:, 1:n], nxt], 1), hidden[:, :n], base + 1, args.spec
+                accepted = torch.cat([block[:, 1:n], nxt], 1)
+                drafts = model.draft(
+                    [r], accepted, hidden[:, :n], base, args.spec, share_index=args.share_index
                 )
                 if device.type == "cuda":
                     torch.cuda.synchronize()
@@ -135,6 +128,9 @@ def main(argv=None) -> None:
     d.add_argument("--prompt-len", type=int, default=24)
     d.add_argument("--steps", type=int, default=8, help="verify steps per prompt")
     d.add_argument("--spec", type=int, default=3, help="MTP drafted tokens per step (q - 1)")
+    d.add_argument(
+        "--share-index", action="store_true", help="draft steps reuse step 0's top-k (vLLM option)"
+    )
     d.add_argument("--max-context", type=int, default=512)
     d.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

@@ -200,7 +200,8 @@ class ReferenceModel:
             p = f"layers.{layer}"
             h = self._pre(streams, f"{p}.attn_hc", f"{p}.input_layernorm.weight")
             if g.is_mla(layer):
-                outs = [rank.mla(layer, h[0].view(shape), step, topk) for rank in self.ranks]
+                shared = topk if g.indexer_types[layer] == "shared" else None
+                outs = [rank.mla(layer, h[0].view(shape), step, shared) for rank in self.ranks]
                 topk = outs[0][1]
                 a = reduce([o for o, _ in outs])
             else:
@@ -241,24 +242,54 @@ class ReferenceModel:
 
     # The MTP draft layer (no mHC): enorm/hnorm -> eh_proj -> MLA+MoE block -> head norm.
     def draft_hidden(
-        self, requests: Sequence[int], tokens: Tensor, hidden: Tensor, step: Step, k: int = 0
-    ) -> Tensor:
-        """MTP layer k on (next token, main-model hidden) pairs at the same positions."""
+        self, tokens: Tensor, hidden: Tensor, step: Step, k: int = 0, topk: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """MTP layer k at `step`'s positions on (token, hidden) pairs [R, T] / [R, T, D]:
+        the draft hidden states [R, T, D] (post head norm: they feed the LM head and the
+        next draft step) and the indices its attention used. The embedding is zeroed at
+        position 0, where no earlier hidden state exists (vLLM's fused_eh_norm)."""
         g = self.g
-        layer = self.mtp_layers[k]
-        p = f"layers.{layer}"
-        e = rms_norm_ref(
-            reduce([rank.embed(tokens) for rank in self.ranks]),
-            self._w(f"{p}.enorm.weight"),
-            g.rms_norm_eps,
-        )
+        p = f"layers.{self.mtp_layers[k]}"
+        embedded = reduce([rank.embed(tokens) for rank in self.ranks])
+        embedded = embedded * (step.positions != 0)[..., None].to(embedded.dtype)
+        e = rms_norm_ref(embedded, self._w(f"{p}.enorm.weight"), g.rms_norm_eps)
         h = rms_norm_ref(hidden, self._w(f"{p}.hnorm.weight"), g.rms_norm_eps)
         x = self.ranks[0].linear(torch.cat([e, h], dim=-1), f"{p}.eh_proj.weight")
         a_in = rms_norm_ref(x, self._w(f"{p}.input_layernorm.weight"), g.rms_norm_eps)
-        x = x + reduce([rank.mla(layer, a_in, step, None)[0] for rank in self.ranks])
+        outs = [rank.mla(self.mtp_layers[k], a_in, step, topk) for rank in self.ranks]
+        x = x + reduce([o for o, _ in outs])
         m_in = rms_norm_ref(x, self._w(f"{p}.post_attention_layernorm.weight"), g.rms_norm_eps)
-        x = x + reduce([rank.moe(layer, m_in) for rank in self.ranks])
-        return rms_norm_ref(x, self._w(f"{p}.shared_head.norm.weight"), g.rms_norm_eps)
+        x = x + reduce([rank.moe(self.mtp_layers[k], m_in) for rank in self.ranks])
+        return rms_norm_ref(x, self._w(f"{p}.shared_head.norm.weight"), g.rms_norm_eps), outs[0][1]
+
+    def draft(
+        self,
+        requests: Sequence[int],
+        tokens: Tensor,
+        hidden: Tensor,
+        start: int,
+        k: int,
+        *,
+        share_index: bool = False,
+    ) -> Tensor:
+        """Greedy MTP drafts [R, k]. Step 0 runs the MTP layer over (token_{i+1}, h_i) at
+        target positions start..start+T-1 (writing its caches, like the target's prefill or
+        verify); steps 1..k-1 feed back their own draft token and hidden state one position
+        later. MTP layers are used round-robin (vLLM's spec_step_idx % layers).
+        `share_index`: steps 1+ reuse step 0's last-token selection and skip the indexer
+        (vLLM's index_share_for_mtp_iteration)."""
+        T = tokens.shape[1]
+        positions = start + torch.arange(T, device=self.device).expand(len(requests), T)
+        h, topk = self.draft_hidden(tokens, hidden, self.place(requests, positions))
+        h, topk = h[:, -1:], topk[:, -1:]
+        drafts = [self.logits(h).argmax(-1)]
+        for j in range(1, k):
+            step = self.place(requests, positions[:, -1:] + j)
+            layer = j % len(self.mtp_layers)
+            h, used = self.draft_hidden(drafts[-1], h, step, layer, topk if share_index else None)
+            topk = topk if share_index else used
+            drafts.append(self.logits(h).argmax(-1))
+        return torch.cat(drafts, dim=1)
 
     def _check_tokens(self, tokens: Tensor, requests: int) -> None:
         problems = []

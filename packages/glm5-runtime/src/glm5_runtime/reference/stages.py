@@ -125,7 +125,9 @@ class RankStages:
 
     # MLA (NoPE) with the DSA indexer.
     def mla(self, layer: int, x: Tensor, step: Step, topk: Tensor | None) -> tuple[Tensor, Tensor]:
-        """Partial output and the token indices [R, T, index_topk + kpool - 1] it attended."""
+        """Partial output and the token indices [R, T, index_topk + kpool - 1] it attended.
+        `topk` given: attend those (a shared layer, or an MTP draft step reusing step 0's
+        selection) without running the indexer or writing its caches."""
         g, a = self.g, f"layers.{layer}.self_attn"
         R, T, _ = x.shape
         eps = g.rms_norm_eps
@@ -142,7 +144,7 @@ class RankStages:
         )
         latent = self.c.latent[layer].view(-1, lora)
         latent[step.slots.reshape(-1)] = kv.reshape(-1, lora).to(latent.dtype)
-        if f"{a}.indexer.wk.weight" in self.w:
+        if topk is None and f"{a}.indexer.wk.weight" in self.w:
             topk = self.indexer(layer, x, q_resid, step)
         if topk is None:
             raise ValueError(f"layers.{layer}: a shared indexer layer needs a full layer before it")
