@@ -37,6 +37,42 @@ def time_graph(graph: torch.cuda.CUDAGraph, iters: int) -> list[float]:
     return times
 
 
+def hbm_bandwidth(gib: int = 4) -> float:
+    """Bytes/s of a device-to-device copy (read + write), median of graph replays."""
+    src = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dst.copy_(src)
+    ms = statistics.median(time_graph(graph, 10))
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def floor_bytes(model: ReferenceModel, batch: int, context: int) -> float:
+    """The least HBM traffic of one decode step on this rank: every weight but the routed
+    experts and the embedding table, the routed experts the batch is expected to hit
+    (E * (1 - (1 - k/E)^B) per MoE block), the latents and pool keys each query reads,
+    and the KDA states read and written."""
+    g = model.g
+    weights = [(n, t) for rank in model.ranks for n, t in rank.w.items()]
+    dense = sum(t.nbytes for n, t in weights if ".experts." not in n and "embed_tokens" not in n)
+    experts = sum(t.nbytes for n, t in weights if ".experts." in n)
+    e, k = g.n_routed_experts, g.num_experts_per_tok
+    hit = e * (1 - (1 - k / e) ** batch)
+    routed = experts * hit / e
+    mla = len(g.mla_layers) + len(model.mtp_layers)
+    selected = min(context + 1, g.index_topk + g.index_kpool - 1)
+    attention = (
+        batch
+        * mla
+        * (selected * g.kv_lora_rank * 2 + (context // g.index_kpool) * g.index_head_dim * 2)
+    )
+    heads = g.linear_num_heads // g.tp_size
+    states = batch * len(g.kda_layers) * 2 * heads * g.linear_head_dim**2 * 4
+    return dense + routed + attention + states
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--geometry", default="flash-tp4-rank")
@@ -59,6 +95,8 @@ def main() -> None:
         f"built {args.geometry} in {build_s:.0f}s: weights {held / 2**30:.1f} GiB, "
         f"allocated {torch.cuda.memory_allocated() / 2**30:.1f} GiB"
     )
+    bandwidth = hbm_bandwidth()
+    print(f"HBM copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     rows = []
     for b in batches:
         requests = list(range(b))
@@ -79,7 +117,10 @@ def main() -> None:
             "median_ms": statistics.median(ms),
             "min_ms": min(ms),
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "floor_bytes": floor_bytes(model, b, args.context),
         }
+        row["floor_ms"] = row["floor_bytes"] / bandwidth * 1e3
+        row["ratio_to_floor"] = row["median_ms"] / row["floor_ms"]
         print(row)
         rows.append(row)
         del graph
@@ -96,6 +137,7 @@ def main() -> None:
         + " ".join(f"--{k} {v}" for k, v in vars(args).items() if v is not None and k != "out"),
         "build_seconds": build_s,
         "weights_gib": held / 2**30,
+        "hbm_copy_bandwidth_tbps": bandwidth / 1e12,
         "rows": rows,
     }
     if args.out:
