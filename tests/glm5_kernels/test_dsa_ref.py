@@ -23,7 +23,9 @@ SHAPES = [(1,), (3, 7), (64, 32), (5, 17)]  # (tokens,), (tokens, heads): off-gr
 
 def test_hadamard_is_orthonormal_and_symmetric():
     h = _hadamard(128, "cpu").double()
-    torch.testing.assert_close(h @ h, torch.eye(128, dtype=torch.float64), rtol=0, atol=1e-6)  # FP32 entries
+    torch.testing.assert_close(
+        h @ h, torch.eye(128, dtype=torch.float64), rtol=0, atol=1e-6
+    )  # FP32 entries
     assert torch.equal(h, h.T)
 
 

@@ -13,6 +13,7 @@ def build_pair(g, seed, dtype=torch.float32, **kw):
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
     sd = random_state_dict(g, seed=seed)
+    # transformers' indexer numerics (BF16 pool keys, no rotation or FP8) for the oracle.
     model = ReferenceModel.from_state_dict(
         g,
         sd,
@@ -20,6 +21,7 @@ def build_pair(g, seed, dtype=torch.float32, **kw):
         max_context=kw.pop("max_context", 96),
         block_size=16,
         dtype=dtype,
+        indexer_numerics="hf",
         **kw,
     )
     cfg = g.to_hf()

@@ -7,17 +7,18 @@ KDA layers (addressed by state slot, like vLLM's mamba-style state):
 MLA layers (paged by block table; slot = block * block_size + offset):
   latent     [blocks, block_size, kv_lora]  BF16  normalized compressed KV (NoPE: no rope part)
   index_raw  [blocks, block_size, 2 * hd]   BF16  indexer key | kpool gate score per token
-  kpool      [blocks, block_size // kpool, hd] BF16  compressed pool keys, written when a
-                                              pool's last token is written
-Where the reference is simpler than vLLM (same values, other bookkeeping):
-- vLLM keeps raw indexer entries only for the incomplete pool (a ring of
-  kpool * next_pow2(ceil((kpool + spec) / kpool)) per request); the reference keeps every
-  token's, so a pool completed by rejected draft tokens is simply recompressed later.
-- vLLM stores pool keys Hadamard-rotated in FP8 with power-of-two scales and quantizes the
-  indexer query; the reference keeps transformers' BF16 pool keys (the oracle's numbers).
-- KDA rollback is vLLM's: q recurrent slots per request (the state after each verified
-  token; accepting n resumes from slot n - 1) and one conv row of W-2+q columns in the
-  request's first slot whose window starts at column n - 1.
+  kpool      [blocks, block_size // kpool, hd + 4] uint8  vLLM's pages: per block S*hd FP8
+                                              Hadamard-rotated pool keys, then S FP32 scales
+             (indexer_numerics="hf": [blocks, block_size // kpool, hd] BF16, transformers'
+             unrotated pool keys, for oracle checks)
+KDA rollback is vLLM's: q recurrent slots per request (the state after each verified token;
+accepting n resumes from slot n - 1) and one conv row of W-2+q columns in the request's first
+slot, whose window starts at column n - 1.
+
+Where the reference is simpler than vLLM (same values, other bookkeeping): vLLM keeps raw
+indexer entries only for the incomplete pool, in a ring of kpool * next_pow2(ceil((kpool +
+spec) / kpool)) per request; the reference keeps every token's (index_raw), so a pool
+completed by rejected draft tokens is simply recompressed when it completes again.
 """
 
 from __future__ import annotations
@@ -49,9 +50,15 @@ def allocate(
     mla_layers: set[int],
     dtype: torch.dtype = torch.bfloat16,
     q: int = 1,
+    indexer_numerics: str = "vllm",
 ) -> RankCaches:
     """Zeroed caches of one rank for `layers` (ids; MTP layers count as MLA). `dtype`
     replaces BF16 (FP32 runs the whole reference at full precision for oracle checks)."""
+    if indexer_numerics not in ("vllm", "hf"):
+        raise ValueError(f"indexer_numerics={indexer_numerics!r}: expects 'vllm' or 'hf'")
+    hd = g.index_head_dim
+    if indexer_numerics == "vllm" and hd & (hd - 1):
+        raise ValueError(f"index_head_dim={hd}: vLLM's Hadamard rotation needs a power of two")
     if block_size % g.index_kpool:
         raise ValueError(
             f"block_size={block_size}: must be a multiple of index_kpool={g.index_kpool}"
@@ -68,9 +75,13 @@ def allocate(
             c.index_raw[layer] = torch.zeros(
                 num_blocks, block_size, 2 * hd, dtype=dtype, device=device
             )
-            c.kpool[layer] = torch.zeros(
-                num_blocks, block_size // g.index_kpool, hd, dtype=dtype, device=device
-            )
+            pools = block_size // g.index_kpool
+            if indexer_numerics == "vllm":  # FP8 key bytes then FP32 scales per block
+                c.kpool[layer] = torch.zeros(
+                    num_blocks, pools, hd + 4, dtype=torch.uint8, device=device
+                )
+            else:
+                c.kpool[layer] = torch.zeros(num_blocks, pools, hd, dtype=dtype, device=device)
         else:
             cols = g.linear_conv_kernel_dim - 2 + q
             c.conv[layer] = torch.zeros(num_slots, cols, 3 * qkv, dtype=dtype, device=device)

@@ -37,6 +37,7 @@ class ReferenceModel:
         block_size: int = 64,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.bfloat16,
+        indexer_numerics: str = "vllm",
     ):
         if len(weights) != len(g.ranks):
             raise ValueError(f"weights: {len(weights)} shards for ranks {g.ranks}")
@@ -63,6 +64,7 @@ class ReferenceModel:
                     mla_layers=mla,
                     dtype=dtype,
                     q=q,
+                    indexer_numerics=indexer_numerics,
                 ),
             )
             for rank, w in zip(g.ranks, weights, strict=True)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from glm5_kernels.dsa import index_logits_fp8_ref, kpool_compress_ref, rotate_quant_fp8_ref
 from glm5_kernels.kda import gated_rms_norm_ref, kda_gate_ref, kda_recurrence_ref
 from glm5_kernels.moe import experts_ref, route_ref, swiglu_ref
 from glm5_kernels.norm import rms_norm_ref
@@ -166,18 +167,21 @@ class RankStages:
         return self.linear(o.reshape(R, T, heads * vd), f"{a}.o_proj.weight"), topk
 
     def indexer(self, layer: int, x: Tensor, q_resid: Tensor, step: Step) -> Tensor:
-        """Top-k pools (+ the always-selected incomplete tail) per query, as token indices."""
+        """Top-k pools (+ the always-selected incomplete tail) per query, as token indices.
+        The pool cache's dtype picks the numerics: uint8 pages are vLLM's (FP32 key norm,
+        Hadamard + FP8 pool keys and queries), BF16 keys are transformers'."""
         g, n = self.g, f"layers.{layer}.self_attn.indexer"
         R, T, _ = x.shape
         ih, hd, kp = g.index_n_heads, g.index_head_dim, g.index_kpool
+        kpool = self.c.kpool[layer]
+        vllm = kpool.dtype == torch.uint8
         q = self.linear(q_resid, f"{n}.wq_b.weight").reshape(R, T, ih, hd)
-        k = F.layer_norm(
-            self.linear(x, f"{n}.wk.weight"),
-            (hd,),
-            self.w[f"{n}.k_norm.weight"],
-            self.w[f"{n}.k_norm.bias"],
-            1e-6,
-        )
+        k = self.linear(x, f"{n}.wk.weight")
+        norm = (self.w[f"{n}.k_norm.weight"], self.w[f"{n}.k_norm.bias"])
+        if vllm:  # vLLM's key norm runs in FP32
+            k = F.layer_norm(k.float(), (hd,), norm[0].float(), norm[1].float(), 1e-6).to(x.dtype)
+        else:
+            k = F.layer_norm(k, (hd,), *norm, 1e-6)
         gate = F.linear(x, self.w[f"{n}.index_kpool_compress_gate"])
         raw = self.c.index_raw[layer].view(-1, 2 * hd)
         raw[step.slots.reshape(-1)] = torch.cat([k, gate], -1).reshape(-1, 2 * hd).to(raw.dtype)
@@ -189,21 +193,36 @@ class RankStages:
         pool = ((pos + 1) // kp - 1).clamp(min=0)
         members = pool[..., None] * kp + torch.arange(kp, device=pos.device)  # [R, T, kp]
         keys, scores = raw[_slots(members, step)].split(hd, dim=-1)
-        logits = scores.float() + self.w[f"{n}.index_kpool_compress_ape"].float()
-        pooled = (torch.softmax(logits, dim=2).to(keys.dtype) * keys).sum(2)  # [R, T, hd]
-        kpool = self.c.kpool[layer]
-        kpool.view(-1, hd)[_slots(pool * kp, step) // kp] = pooled.to(kpool.dtype)
+        ape = self.w[f"{n}.index_kpool_compress_ape"]
+        target = _slots(pool * kp, step) // kp  # global pool index: block * S + slot
+        ends = (
+            torch.arange(step.block_table.shape[1] * kpool.shape[1], device=pos.device) + 1
+        ) * kp - 1
+        if vllm:
+            fp8, scale = rotate_quant_fp8_ref(kpool_compress_ref(keys, scores, ape))
+            page_keys, page_scales = _pages(kpool)
+            at = (target // kpool.shape[1], target % kpool.shape[1])  # (block, pool in block)
+            page_keys[at] = fp8.view(torch.uint8)
+            page_scales[at] = scale
+            pool_keys = page_keys[step.block_table].reshape(R, -1, hd).view(torch.float8_e4m3fn)
+            pool_scales = page_scales[step.block_table].reshape(R, -1)
+            q8, q_scale = rotate_quant_fp8_ref(q)
+            weights = F.linear(x.float(), self.w[f"{n}.weights_proj.weight"].float())
+            index_scores = index_logits_fp8_ref(
+                q8, q_scale, weights, pool_keys[:, None], pool_scales[:, None]
+            )
+        else:
+            logits = scores.float() + ape.float()
+            pooled = (torch.softmax(logits, dim=2).to(keys.dtype) * keys).sum(2)  # [R, T, hd]
+            kpool.view(-1, hd)[target] = pooled.to(kpool.dtype)
+            pools = kpool[step.block_table].reshape(R, -1, hd)  # [R, P, hd]
+            s = F.relu(torch.einsum("rtih,rph->rtip", q.float(), pools.float()) * hd**-0.5)
+            weights = F.linear(x, self.w[f"{n}.weights_proj.weight"]).float() * ih**-0.5
+            index_scores = torch.einsum("rti,rtip->rtp", weights, s)
         # Score every pool of the request's blocks; pools ending after the query are masked.
-        pools = kpool[step.block_table].reshape(R, -1, hd)  # [R, P, hd]
-        P = pools.shape[1]
-        s = torch.einsum("rtih,rph->rtip", q.float(), pools.float())
-        s = F.relu(s * hd**-0.5)
-        weights = F.linear(x, self.w[f"{n}.weights_proj.weight"]).float() * ih**-0.5
-        index_scores = torch.einsum("rti,rtip->rtp", weights, s)
-        ends = (torch.arange(P, device=pos.device) + 1) * kp - 1
         visible = ends <= pos[..., None]  # [R, T, P]
         index_scores = index_scores.masked_fill(~visible, float("-inf"))
-        count = min(g.index_topk // kp, P)
+        count = min(g.index_topk // kp, ends.shape[0])
         chosen = index_scores.topk(count, dim=-1).indices
         chosen_ok = visible.gather(-1, chosen)
         tokens = chosen[..., None] * kp + torch.arange(kp, device=pos.device)
@@ -211,9 +230,9 @@ class RankStages:
         width = g.index_topk
         if g.index_kpool_always_select_tail and kp > 1:
             offsets = torch.arange(kp - 1, device=pos.device)
-            count = (pos + 1) % kp
-            tail = (pos + 1 - count)[..., None] + offsets
-            tail = tail.masked_fill(offsets >= count[..., None], -1)
+            filled = (pos + 1) % kp
+            tail = (pos + 1 - filled)[..., None] + offsets
+            tail = tail.masked_fill(offsets >= filled[..., None], -1)
             tokens = torch.cat([tokens, tail], dim=-1)
             width += kp - 1
         return F.pad(tokens, (0, width - tokens.shape[-1]), value=-1)
@@ -270,6 +289,15 @@ def _experts_by_slot(x, w13, w2, ids, weights, limit, w13_scale, w2_scale) -> Te
         down = dequantize_fp8_block_ref(w2[e], w2_scale[e], dtype=x.dtype)  # [N, D, I]
         out += torch.bmm(down, h[:, :, None]).squeeze(-1).float() * weights[:, j : j + 1]
     return out
+
+
+def _pages(kpool: Tensor) -> tuple[Tensor, Tensor]:
+    """Views of a vLLM k-pool cache [blocks, S, hd + 4] uint8, whose block row holds S*hd
+    FP8 key bytes then S FP32 scales: (keys [blocks, S, hd] uint8, scales [blocks, S])."""
+    blocks, per_block, width = kpool.shape
+    row = kpool.view(blocks, per_block * width)
+    keys = row[:, : per_block * (width - 4)].view(blocks, per_block, width - 4)
+    return keys, row[:, per_block * (width - 4) :].view(torch.float32)
 
 
 def _slots(index: Tensor, step: Step) -> Tensor:
