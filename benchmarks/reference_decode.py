@@ -63,11 +63,9 @@ def floor_bytes(model: ReferenceModel, batch: int, context: int) -> float:
     routed = experts * hit / e
     mla = len(g.mla_layers) + len(model.mtp_layers)
     selected = min(context + 1, g.index_topk + g.index_kpool - 1)
-    attention = (
-        batch
-        * mla
-        * (selected * g.kv_lora_rank * 2 + (context // g.index_kpool) * g.index_head_dim * 2)
-    )
+    pool_bytes = model.ranks[0].c.kpool[g.mla_layers[0]][0, 0].nbytes  # one pool's key
+    pools = context // g.index_kpool
+    attention = batch * mla * (selected * g.kv_lora_rank * 2 + pools * pool_bytes)
     heads = g.linear_num_heads // g.tp_size
     states = batch * len(g.kda_layers) * 2 * heads * g.linear_head_dim**2 * 4
     return dense + routed + attention + states
