@@ -130,3 +130,35 @@ def test_tp2_simulation_equals_tp1():
     h1, h2 = one.forward([one.add()], prompt), two.forward([two.add()], prompt)
     assert relative(h2, h1) < TOL
     assert relative(two.logits(h2), one.logits(h1)) < TOL
+
+
+def test_ue8m0_scales_are_powers_of_two_and_change_little():
+    # Dense MLPs only: through MoE layers any weight perturbation flips some routes.
+    g = geometry(
+        "tiny",
+        num_hidden_layers=2,
+        layer_types=("linear_attention", "deepseek_sparse_attention"),
+        mlp_layer_types=("dense", "dense"),
+        indexer_types=("full", "full"),
+    )
+    kw = dict(max_requests=1, max_context=32, block_size=16, dtype=torch.float32)
+    plain = ReferenceModel.random(g, 3, **kw)
+    ue8m0 = ReferenceModel.random(g, 3, ue8m0=True, **kw)
+    scales = [t for n, t in ue8m0.ranks[0].w.items() if n.endswith("_scale_inv")]
+    assert scales and all(torch.all(torch.frexp(s)[0] == 0.5) for s in scales)
+    prompt = tokens(9, 16)
+    # Coarser scales round the FP8 weights differently: a few percent, not a different model.
+    error = relative(ue8m0.forward([ue8m0.add()], prompt), plain.forward([plain.add()], prompt))
+    assert 0 < error < 0.1
+
+
+def test_a_single_rank_geometry_builds_its_shard_at_shard_size():
+    g = geometry("tiny", tp_size=2, ranks=(1,))
+    model = ReferenceModel.random(g, 0, max_requests=1, max_context=32, block_size=16)
+    w = model.ranks[0].w
+    assert model.ranks[0].rank == 1 and not g.full_tp
+    assert w["layers.0.self_attn.q_proj.weight"].shape == (32, 64)  # half of 4 heads x 16
+    assert w["layers.2.mlp.experts.gate_up_proj"].shape == (16, 256, 64)  # half of 2 x 256
+    assert w["embed_tokens.weight"].shape == (256, 64)  # half the vocabulary
+    h = model.forward([model.add()], tokens(5, 17))
+    assert h.shape == (1, 5, 64) and torch.isfinite(h).all()

@@ -89,7 +89,9 @@ class ReferenceModel:
         if g.full_tp:
             sd = random_state_dict(g, seed)
             return cls.from_state_dict(g, sd, device=device, ue8m0=ue8m0, dtype=dtype, **kw)
-        shards = [dict(random_rank(g, r, seed, device=device, ue8m0=ue8m0)) for r in g.ranks]
+        shards = [
+            dict(random_rank(g, r, seed, device=device, ue8m0=ue8m0, dtype=dtype)) for r in g.ranks
+        ]
         return cls(g, shards, device=device, dtype=dtype, **kw)
 
     @classmethod
@@ -114,6 +116,8 @@ class ReferenceModel:
         return r
 
     def release(self, r: int) -> None:
+        if r in self.free or not 0 <= r < self.max_requests:
+            raise ValueError(f"request {r}: not added")
         self.pending.pop(r, None)
         self.free.append(r)
 

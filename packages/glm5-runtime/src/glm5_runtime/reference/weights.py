@@ -248,7 +248,13 @@ def _store(name, spec, local, device, ue8m0, dtype=torch.bfloat16) -> dict[str, 
 
 
 def random_rank(
-    g: Geometry, rank: int, seed: int = 0, *, device="cpu", ue8m0: bool = False
+    g: Geometry,
+    rank: int,
+    seed: int = 0,
+    *,
+    device="cpu",
+    ue8m0: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Rank `rank`'s shard drawn directly at shard size (the full flash model never exists
     in memory); yields tensor by tensor so a GPU build streams."""
@@ -257,4 +263,4 @@ def random_rank(
         w = _random(
             name, spec, shape, _generator(seed, name, rank if spec.axis is not None else -1, device)
         )
-        yield from _store(name, spec, w, device, ue8m0).items()
+        yield from _store(name, spec, w, device, ue8m0, dtype).items()
