@@ -15,7 +15,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from glm5_kernels.dsa import index_logits_fp8_ref, kpool_compress_ref, rotate_quant_fp8_ref
-from glm5_kernels.kda import gated_rms_norm_ref, kda_gate_ref, kda_recurrence_ref
+from glm5_kernels.kda import (
+    gated_rms_norm_ref,
+    kda_gate_ref,
+    kda_recurrence_ref,
+    short_conv_ref,
+)
 from glm5_kernels.moe import experts_ref, route_ref, swiglu_ref
 from glm5_kernels.norm import rms_norm_ref
 from glm5_kernels.quant import dequantize_fp8_block_ref
@@ -77,14 +82,19 @@ class RankStages:
         mixed = torch.cat([self.linear(x, f"{a}.{p}_proj.weight") for p in "qkv"], dim=-1)
         C = mixed.shape[-1]
         conv, rec = self.c.conv[layer], self.c.recurrent[layer]
-        # Requests are independent channels / heads: stack them to run one sequence.
-        weight = self.w[f"{a}.conv1d.weight"][:, 0].float()  # [C, W]
+        weight = self.w[f"{a}.conv1d.weight"][:, 0]  # [C, W]
         width = weight.shape[1]
         window = step.conv_offset[:, None] + torch.arange(width - 1, device=x.device)
         rows = step.conv_slots[:, None]
-        full = torch.cat([conv[rows, window], mixed], dim=1)  # [R, W-1+T, C]
-        windows = full.float().unfold(1, width, 1)  # [R, T, C, W]
-        y = F.silu((windows * weight).sum(-1)).to(x.dtype)
+        history = conv[rows, window]  # [R, W-1, C]
+        full = torch.cat([history, mixed.to(conv.dtype)], dim=1)  # [R, W-1+T, C]
+
+        # Requests are independent channels / heads: stacked, they run as one sequence.
+        def channels(t: Tensor) -> Tensor:  # [R, L, C] -> [L, R*C]
+            return t.transpose(0, 1).reshape(t.shape[1], R * C)
+
+        y, _ = short_conv_ref(channels(mixed), channels(history), weight.repeat(R, 1))
+        y = y.reshape(T, R, C).transpose(0, 1)
         hk, kd = g.linear_num_heads // g.tp_size, g.linear_head_dim
         q, k, v = (t.reshape(R, T, hk, kd) for t in y.split(C // 3, dim=-1))
         f = self.linear(
