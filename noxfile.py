@@ -1,4 +1,5 @@
-"""Sessions: tests (CPU), demo, vllm_tests, gpu_tests (off by default), lint.
+"""Sessions: tests (CPU), demo, vllm_tests, lint; gpu_tests and bench (GPU hosts, off by
+default).
 
 `nox` alone runs lint and the CPU tests, as CI does."""
 
@@ -60,6 +61,23 @@ def demo(session: nox.Session) -> None:
     session.install(CPU_TORCH)
     _install(session, *PACKAGES)
     session.run("glm5-decode", "demo", *session.posargs)
+
+
+@nox.session(venv_backend="none", default=False)
+def bench(session: nox.Session) -> None:
+    """GPU benchmarks on the machine's own CUDA torch; results land in benchmarks/results/."""
+    if shutil.which("nvidia-smi") is None:
+        session.skip("no NVIDIA GPU on this machine")
+    paths = ":".join(f"packages/{p}/src" for p in PACKAGES)
+    out = "benchmarks/results/reference_decode_h200.json"
+    session.run(
+        "python",
+        "benchmarks/reference_decode.py",
+        "--out",
+        out,
+        *session.posargs,
+        env={"PYTHONPATH": paths},
+    )
 
 
 @nox.session(python="3.11")

@@ -121,3 +121,8 @@ def test_geometry_round_trips_through_the_transformers_config():
     pytest.importorskip("transformers")
     g = geometry("tiny")
     assert Geometry.from_hf(g.to_hf()) == g
+
+
+def test_a_model_too_large_for_the_device_is_refused_before_allocating():
+    with pytest.raises(ValueError, match=r"1 of 1 ranks hold \d+ GiB of weights, cpu has"):
+        ReferenceModel.random(geometry("flash"), 0, max_requests=1, max_context=16)

@@ -67,6 +67,7 @@ def demo(args) -> None:
     timer = StageTimer(model)
     gen = torch.Generator().manual_seed(args.seed)
     accepted_total, steps_total, step_times = 0, 0, []
+    served = time.perf_counter()
     with torch.no_grad():
         for p in range(args.prompts):
             prompt = torch.randint(0, g.vocab_size, (1, args.prompt_len), generator=gen).to(device)
@@ -107,6 +108,7 @@ def demo(args) -> None:
             more = " ..." if len(produced) > 12 else ""
             print(f"prompt {p}: {len(produced)} tokens: {produced[:12]}{more}")
             model.release(r)
+    wall = time.perf_counter() - served
     total = sum(step_times)
     print(
         f"\n{steps_total} verify steps (q={q}): {1e3 * total / steps_total:.1f} ms/step, "
@@ -114,8 +116,10 @@ def demo(args) -> None:
         f"{accepted_total / total:.1f} tokens/s"
     )
     print("per stage (all steps, prefill included):")
-    for name, seconds in sorted(timer.totals.items(), key=lambda kv: -kv[1]):
-        print(f"  {name:10s} {1e3 * seconds:9.1f} ms")
+    rest = wall - sum(timer.totals.values())
+    rows = [*timer.totals.items(), ("mhc, norms, sampling, host", rest)]
+    for name, seconds in sorted(rows, key=lambda kv: -kv[1]):
+        print(f"  {name:28s} {1e3 * seconds:9.1f} ms")
 
 
 def main(argv=None) -> None:

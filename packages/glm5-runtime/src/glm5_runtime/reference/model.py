@@ -11,6 +11,7 @@ request, a decode of 1 token or a verify of q tokens per request), `accept` a ve
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -22,7 +23,7 @@ from glm5_kernels.norm import rms_norm_ref
 from .caches import allocate
 from .config import Geometry
 from .stages import RankStages, Step, reduce
-from .weights import load_rank, random_rank, random_state_dict
+from .weights import load_rank, model_specs, random_rank, random_state_dict, shard_shape
 
 
 class ReferenceModel:
@@ -84,9 +85,10 @@ class ReferenceModel:
     def random(
         cls, g: Geometry, seed: int = 0, *, device="cpu", ue8m0=False, dtype=torch.bfloat16, **kw
     ) -> ReferenceModel:
-        """Random weights: the full model sharded when all ranks are held, else each shard
-        drawn at its own size (a single rank of the flash model fits one GPU)."""
-        if g.full_tp:
+        """Random weights: with several ranks all held, the full model sharded (so TP sims
+        equal TP 1); otherwise each shard drawn at its own size, streamed to the device."""
+        _check_fits(g, torch.device(device))
+        if g.full_tp and g.tp_size > 1:
             sd = random_state_dict(g, seed)
             return cls.from_state_dict(g, sd, device=device, ue8m0=ue8m0, dtype=dtype, **kw)
         shards = [
@@ -308,3 +310,21 @@ class ReferenceModel:
             problems.append(f"tokens: ids outside the vocabulary 0..{self.g.vocab_size - 1}")
         if problems:
             raise ValueError("bad tokens:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _check_fits(g: Geometry, device: torch.device) -> None:
+    """One clear error, before allocating, when the shards' weights cannot fit `device`."""
+    held = len(g.ranks) * sum(
+        math.prod(shard_shape(spec, g.tp_size)) * (1 if spec.fp8 else 2)
+        for spec in model_specs(g).values()
+    )
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if held > free:
+        raise ValueError(
+            f"geometry: {len(g.ranks)} of {g.tp_size} ranks hold {held / 2**30:.0f} GiB of "
+            f"weights, {device} has {free / 2**30:.0f} GiB free (one rank of a TP4 "
+            "deployment, 'flash-tp4-rank', fits one H200)"
+        )
