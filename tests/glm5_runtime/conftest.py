@@ -8,6 +8,18 @@ from glm5_runtime.reference import ReferenceModel, geometry, random_state_dict
 from glm5_runtime.reference.weights import dequantized
 
 
+def dense_geometry(**changes):
+    """Two layers (KDA, MLA+DSA) with dense MLPs: no MoE routes to flip under perturbation."""
+    return geometry(
+        "tiny",
+        num_hidden_layers=2,
+        layer_types=("linear_attention", "deepseek_sparse_attention"),
+        mlp_layer_types=("dense", "dense"),
+        indexer_types=("full", "full"),
+        **changes,
+    )
+
+
 def build_pair(g, seed, dtype=torch.float32, **kw):
     """(reference, transformers oracle in `dtype`, the oracle's config)."""
     transformers = pytest.importorskip("transformers")

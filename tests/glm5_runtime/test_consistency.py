@@ -1,7 +1,7 @@
 """Decode, verify and MTP rollback against prefill: one model, different step shapes."""
 
 import torch
-from conftest import relative
+from conftest import dense_geometry, relative
 
 from glm5_runtime.reference import ReferenceModel, geometry
 
@@ -134,13 +134,7 @@ def test_tp2_simulation_equals_tp1():
 
 def test_ue8m0_scales_are_powers_of_two_and_change_little():
     # Dense MLPs only: through MoE layers any weight perturbation flips some routes.
-    g = geometry(
-        "tiny",
-        num_hidden_layers=2,
-        layer_types=("linear_attention", "deepseek_sparse_attention"),
-        mlp_layer_types=("dense", "dense"),
-        indexer_types=("full", "full"),
-    )
+    g = dense_geometry()
     kw = dict(max_requests=1, max_context=32, block_size=16, dtype=torch.float32)
     plain = ReferenceModel.random(g, 3, **kw)
     ue8m0 = ReferenceModel.random(g, 3, ue8m0=True, **kw)

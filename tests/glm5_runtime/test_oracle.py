@@ -12,7 +12,7 @@ FP32 oracle (it is smaller in practice: the reference mixes mHC streams in FP32)
 
 import pytest
 import torch
-from conftest import build_pair, relative
+from conftest import build_pair, dense_geometry, relative
 
 from glm5_runtime.reference import geometry
 
@@ -69,14 +69,7 @@ def test_bf16_reference_is_as_close_to_the_fp32_oracle_as_transformers_bf16(seed
     # top-64 over 7 pools selects every pool: a near-tie in the pool scores cannot flip
     # the selection between the BF16 and FP32 runs (with top-2 of 7 one seed in three
     # flips a pool and both BF16 runs land 4-8% away from FP32).
-    g = geometry(
-        "tiny",
-        num_hidden_layers=2,
-        layer_types=("linear_attention", "deepseek_sparse_attention"),
-        mlp_layer_types=("dense", "dense"),
-        indexer_types=("full", "full"),
-        index_topk=64,
-    )
+    g = dense_geometry(index_topk=64)
     model, oracle, _ = build_pair(g, seed=seed, dtype=torch.bfloat16)
     prompt = torch.randint(0, g.vocab_size, (1, 29), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
