@@ -85,10 +85,11 @@ class ReferenceModel:
     def random(
         cls, g: Geometry, seed: int = 0, *, device="cpu", ue8m0=False, dtype=torch.bfloat16, **kw
     ) -> ReferenceModel:
-        """Random weights: with several ranks all held, the full model sharded (so TP sims
-        equal TP 1); otherwise each shard drawn at its own size, streamed to the device."""
+        """Random weights: with every rank held, the full model drawn and sharded (so a TP
+        simulation equals TP 1); a subset of ranks draws each shard at its own size,
+        streamed to the device (one rank of the flash model fits one GPU)."""
         _check_fits(g, torch.device(device))
-        if g.full_tp and g.tp_size > 1:
+        if g.full_tp:
             sd = random_state_dict(g, seed)
             return cls.from_state_dict(g, sd, device=device, ue8m0=ue8m0, dtype=dtype, **kw)
         shards = [
