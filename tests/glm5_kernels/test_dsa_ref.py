@@ -3,8 +3,10 @@ pool compression against transformers' Glm5NextTextIndexer.
 
 Tolerances: a power-of-two scale puts the vector's amax in [224, 448] e4m3 units, where half
 an ulp is 16, so each dequantized element is within amax/14 (1/16 of the top binade plus the
-BF16 rounding of the rotated vector, 2^-9 relative). Dot products of two such vectors in 128
-dims land within a few percent of the exact ones (relative L2 over many pools: < 6e-2)."""
+BF16 rounding of the rotated vector, 2^-9 relative). Pool logits sum head dot products of two
+such vectors with signed head weights, which cancel: relative L2 against the exact logits was
+at most 0.083 over 300 fresh draws per shape (0.058 at the real 32 heads x 128 pools), so the
+bound is 0.15; a lost scale or a one-sided rotation is off by ~1 or more."""
 
 import pytest
 import torch
@@ -38,10 +40,12 @@ def test_rotate_quant_round_trips_within_the_fp8_bound(lead, magnitude):
     mantissa, _ = torch.frexp(scale)
     assert torch.all(mantissa == 0.5)  # powers of two
     assert q.float().abs().max() <= 448 and not q.float().isnan().any()
-    back = (q.float() * scale[..., None]).double() @ _hadamard(128, "cpu").double()
-    err = (back - x.double()).abs().amax(-1)
-    amax = (x.double() @ _hadamard(128, "cpu").double()).abs().amax(-1)
-    assert torch.all(err <= amax / 14 + 1e-30)
+    # In the rotated domain: FP8 error <= amax/14 (see above) plus BF16's 2^-9 of the
+    # rotation's own rounding, elementwise.
+    y = x.double() @ _hadamard(128, "cpu").double()
+    err = (q.double() * scale[..., None].double() - y).abs().amax(-1)
+    amax = y.abs().amax(-1)
+    assert torch.all(err <= amax * (1 / 14 + 2**-8))
 
 
 def test_pages_round_trip_exactly_with_keys_before_scales():
@@ -70,7 +74,7 @@ def test_fp8_logits_match_the_exact_logits(tokens, heads, pools):
         torch.relu(torch.einsum("thd,pd->thp", qb.double(), kb.double())),
     )
     assert got.shape == (tokens, pools)
-    assert ((got.double() - exact).norm() / exact.norm()).item() < 6e-2
+    assert ((got.double() - exact).norm() / exact.norm()).item() < 0.15
 
 
 def test_pool_compression_matches_transformers_indexer():

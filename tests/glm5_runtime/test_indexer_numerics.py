@@ -44,7 +44,8 @@ def test_pool_pages_hold_the_rotated_fp8_pool_keys():
         want = kpool_compress_ref(k, gate, ape).double() @ _hadamard(128, "cpu").double()
         block, at = divmod(int(step.slots[0, pool * kp]) // kp, per_block)
         got = keys[block, at].view(torch.float8_e4m3fn).double() * scales[block, at]
-        assert (got - want).abs().max() <= want.abs().max() / 14
+        # FP8 in the top binade (1/14 of the amax) plus the BF16 rounding of the rotation.
+        assert (got - want).abs().max() <= want.abs().max() * (1 / 14 + 2**-8)
     # The incomplete pool (tokens 36..) has not been written: its scale is still zero.
     block, at = divmod(int(step.slots[0, 36]) // kp, per_block)
     assert scales[block, at] == 0
