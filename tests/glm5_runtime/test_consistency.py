@@ -156,3 +156,22 @@ def test_a_single_rank_geometry_builds_its_shard_at_shard_size():
     assert w["embed_tokens.weight"].shape == (256, 64)  # half the vocabulary
     h = model.forward([model.add()], tokens(5, 17))
     assert h.shape == (1, 5, 64) and torch.isfinite(h).all()
+
+
+def test_a_pool_completed_by_a_rejected_draft_is_rebuilt_from_the_ring():
+    # kpool 4: a verify at positions 14..17 completes pool 3 (12..15) with the drafted token
+    # at 15; accepting 1 rejects it, and the real token at 15 must recompress pool 3 from the
+    # ring (12..14) plus itself. Selection matters: 2 of up to 5 pools are picked.
+    g = geometry("tiny")
+    model = ReferenceModel.random(
+        g, seed=9, max_requests=2, max_context=64, q=4, block_size=16, dtype=torch.float32
+    )
+    prompt, draft, real = tokens(14, 18), tokens(4, 19), tokens(6, 20)
+    a, b = model.add(), model.add()
+    model.forward([a, b], torch.cat([prompt, prompt]))
+    model.forward([a], torch.cat([real[:, :1], draft[:, 1:]], dim=1), verify=True)
+    model.accept(a, 1)
+    model.forward([b], real[:, :1])
+    for t in range(1, 6):
+        step = real[:, t : t + 1]
+        assert relative(model.forward([a], step), model.forward([b], step)) < TOL, t

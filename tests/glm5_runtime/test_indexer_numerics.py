@@ -2,6 +2,7 @@
 vLLM's page layout, FP8 queries) against transformers' (BF16 pool keys)."""
 
 import torch
+import torch.nn.functional as F
 
 from glm5_kernels.dsa import kpool_compress_ref
 from glm5_kernels.dsa.reference import _hadamard
@@ -33,20 +34,28 @@ def test_pool_pages_hold_the_rotated_fp8_pool_keys():
     layer = G.mla_layers[0]
     x, q_resid, step = indexer_inputs(vllm, layer, 37, 0)
     rank = vllm.ranks[0]
+    n = f"layers.{layer}.self_attn.indexer"
     rank.indexer(layer, x, q_resid, step)
+    # The keys and gate scores the indexer pools, computed here from the weights.
+    k = F.layer_norm(
+        F.linear(x, rank.w[f"{n}.wk.weight"]),
+        (128,),
+        rank.w[f"{n}.k_norm.weight"],
+        rank.w[f"{n}.k_norm.bias"],
+        1e-6,
+    )[0]
+    gate = F.linear(x, rank.w[f"{n}.index_kpool_compress_gate"])[0]
     keys, scales = _pages(rank.c.kpool[layer])
-    raw = rank.c.index_raw[layer].view(-1, 2 * G.index_head_dim)
-    ape = rank.w[f"layers.{layer}.self_attn.indexer.index_kpool_compress_ape"]
     kp, per_block = G.index_kpool, rank.c.kpool[layer].shape[1]
     for pool in range(37 // kp):  # every complete pool
-        slots = step.slots[0, pool * kp : (pool + 1) * kp]
-        k, gate = raw[slots].split(G.index_head_dim, -1)
-        want = kpool_compress_ref(k, gate, ape).double() @ _hadamard(128, "cpu").double()
+        span = slice(pool * kp, (pool + 1) * kp)
+        want = kpool_compress_ref(k[span], gate[span], rank.w[f"{n}.index_kpool_compress_ape"])
+        want = want.double() @ _hadamard(128, "cpu").double()
         block, at = divmod(int(step.slots[0, pool * kp]) // kp, per_block)
         got = keys[block, at].view(torch.float8_e4m3fn).double() * scales[block, at]
         # FP8 in the top binade (1/14 of the amax) plus the BF16 rounding of the rotation.
         assert (got - want).abs().max() <= want.abs().max() * (1 / 14 + 2**-8)
-    # The incomplete pool (tokens 36..) has not been written: its scale is still zero.
+    # The incomplete pool (token 36 onwards) has not been written: its scale is still zero.
     block, at = divmod(int(step.slots[0, 36]) // kp, per_block)
     assert scales[block, at] == 0
 

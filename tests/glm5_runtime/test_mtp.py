@@ -76,12 +76,14 @@ def test_shared_index_steps_reuse_step_0_selection_and_write_no_indexer_cache():
     ids = sequence(33, 3)
     r = model.add()
     hidden = model.forward([r], ids)
-    layer = model.mtp_layers[0]
-    raw = model.ranks[0].c.index_raw[layer].view(-1, 2 * model.g.index_head_dim)
+    tail = model.ranks[0].c.tail[model.mtp_layers[0]]  # [requests + 1, 2, ring, hd]
+    ring = tail.shape[2]
+    # Step 0 pairs (token i + 1, h_i) at positions 0..31; steps 1..3 sit at 32..34.
+    later = torch.tensor([32, 33, 34]) % ring
     model.draft([r], ids[:, 1:], hidden[:, :-1], 0, 4, share_index=True)
-    # Draft steps 1..3 sat at positions 33..35: no indexer entries were written there.
-    slots = model.place([r], torch.tensor([[33, 34, 35]])).slots[0]
-    assert torch.count_nonzero(raw[slots]) == 0
-    # Without sharing, the same steps run the indexer and write its entries.
+    shared = tail[r + 1, :, later].clone()
+    step0 = tail[r + 1, :, torch.tensor([29, 30, 31]) % ring].clone()
+    # Without sharing, the same steps run the indexer and stash their keys in the ring.
     model.draft([r], ids[:, 1:], hidden[:, :-1], 0, 4, share_index=False)
-    assert torch.count_nonzero(raw[slots]) > 0
+    assert not torch.equal(tail[r + 1, :, later], shared)
+    assert torch.equal(tail[r + 1, :, torch.tensor([29, 30, 31]) % ring], step0)

@@ -59,6 +59,7 @@ class ReferenceModel:
                     g,
                     num_slots=1 + max_requests * q,
                     num_blocks=max_requests * blocks,
+                    num_requests=max_requests,
                     block_size=block_size,
                     device=self.device,
                     layers=layers,
@@ -70,7 +71,8 @@ class ReferenceModel:
             )
             for rank, w in zip(g.ranks, weights, strict=True)
         ]
-        self.block_table = torch.arange(max_requests * blocks, device=self.device).view(
+        # Block 0 is the null block (vLLM's): it takes the writes vLLM skips.
+        self.block_table = 1 + torch.arange(max_requests * blocks, device=self.device).view(
             max_requests, blocks
         )
         self.state_slots = 1 + torch.arange(max_requests * q, device=self.device).view(
@@ -166,7 +168,9 @@ class ReferenceModel:
             write = torch.full((len(requests), tokens), -1, device=dev)
             write[:, -1] = read
         conv = self.state_slots[rows, 0]
-        return Step(positions, slots, table, read, write, conv, current, bs, keep_states=verify)
+        return Step(
+            positions, slots, table, read, write, conv, current, rows + 1, bs, keep_states=verify
+        )
 
     def place(self, requests: Sequence[int], positions: Tensor) -> Step:
         """A Step at explicit positions [R, T] that writes no KDA state (the MTP layer's
@@ -177,7 +181,9 @@ class ReferenceModel:
         slots = table.gather(1, positions // bs) * bs + positions % bs
         read = self.state_slots[rows, 0]
         write = read[:, None].expand(-1, positions.shape[1]).contiguous()
-        return Step(positions, slots, table, read, write, read, torch.zeros_like(read), bs)
+        return Step(
+            positions, slots, table, read, write, read, torch.zeros_like(read), rows + 1, bs
+        )
 
     def forward(
         self,

@@ -37,7 +37,7 @@ class Step:
     the state after each token goes (-1: not stored; a decode writes in place, a verify keeps
     every token's, so accepting n resumes from write_slots[:, n - 1]); conv_slots [R]: the
     request's conv state row, whose W-1 window starts at column conv_offset [R] (n - 1
-    after accepting n)."""
+    after accepting n). tail_rows [R]: each request's indexer ring."""
 
     positions: Tensor
     slots: Tensor
@@ -46,6 +46,7 @@ class Step:
     write_slots: Tensor
     conv_slots: Tensor
     conv_offset: Tensor
+    tail_rows: Tensor
     block_size: int
     keep_states: bool = False
 
@@ -193,25 +194,35 @@ class RankStages:
         else:
             k = F.layer_norm(k, (hd,), *norm, 1e-6)
         gate = F.linear(x, self.w[f"{n}.index_kpool_compress_gate"])
-        raw = self.c.index_raw[layer].view(-1, 2 * hd)
-        raw[step.slots.reshape(-1)] = torch.cat([k, gate], -1).reshape(-1, 2 * hd).to(raw.dtype)
-        # Every token (re)compresses the last complete pool at or before it from the raw
-        # entries: tokens naming one pool compute one value, so a step's writes never
-        # conflict, and a pool completed by rejected draft tokens is redone when it
-        # completes again (until then it ends after every query and stays masked).
+        entries = torch.stack([k, gate], dim=2)  # [R, T, 2, hd]
+        # A token that completes a pool compresses it: members from this step come from
+        # `entries`, earlier ones from the request's ring (which holds them: ring >= kpool +
+        # drafts, so rejected drafts never overwrite an accepted member). Tokens that
+        # complete nothing write to the null block, where vLLM skips the write.
+        tail = self.c.tail[layer]
+        ring = tail.shape[2]
         pos = step.positions
-        pool = ((pos + 1) // kp - 1).clamp(min=0)
+        pool = pos // kp
         members = pool[..., None] * kp + torch.arange(kp, device=pos.device)  # [R, T, kp]
-        keys, scores = raw[_slots(members, step)].split(hd, dim=-1)
+        start = pos[:, :1, None]
+        rows = torch.arange(R, device=pos.device)[:, None, None]
+        mine = entries[rows, (members - start).clamp(0, T - 1)]  # [R, T, kp, 2, hd]
+        kept = tail[step.tail_rows[:, None, None], :, members % ring]  # [R, T, kp, 2, hd]
+        source = torch.where((members >= start)[..., None, None], mine, kept.to(mine.dtype))
+        keys, scores = source.unbind(-2)
+        last = min(T, ring)  # only the newest `ring` tokens of a long prefill stay
+        tail[step.tail_rows[:, None], :, pos[:, -last:] % ring] = entries[:, -last:].to(tail.dtype)
         ape = self.w[f"{n}.index_kpool_compress_ape"]
-        target = _slots(pool * kp, step) // kp  # global pool index: block * S + slot
+        done = (pos + 1) % kp == 0
+        target = torch.where(done, _slots(pool * kp, step) // kp, 0)  # block * S + pool
+        pools_per_block = kpool.shape[1]
         ends = (
-            torch.arange(step.block_table.shape[1] * kpool.shape[1], device=pos.device) + 1
+            torch.arange(step.block_table.shape[1] * pools_per_block, device=pos.device) + 1
         ) * kp - 1
         if vllm:
             fp8, scale = rotate_quant_fp8_ref(kpool_compress_ref(keys, scores, ape))
             page_keys, page_scales = _pages(kpool)
-            at = (target // kpool.shape[1], target % kpool.shape[1])  # (block, pool in block)
+            at = (target // pools_per_block, target % pools_per_block)  # (block, pool in block)
             page_keys[at] = fp8.view(torch.uint8)
             page_scales[at] = scale
             pool_keys = page_keys[step.block_table].reshape(R, -1, hd).view(torch.float8_e4m3fn)
