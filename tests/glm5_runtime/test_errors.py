@@ -109,12 +109,16 @@ def test_state_dict_that_does_not_fit_names_each_tensor():
     del sd["norm.weight"]
     sd["layers.0.self_attn.q_proj.weight"] = torch.zeros(3, 3)
     sd["layers.99.extra"] = torch.zeros(1)
+    del sd["layers.0.mlp.down_proj.weight_scale_inv"]
+    sd["layers.0.mlp.nothing_scale_inv"] = torch.ones(1)
     with pytest.raises(ValueError) as info:
         ReferenceModel.from_state_dict(g, sd, max_requests=1, max_context=16, block_size=16)
     text = str(info.value)
     assert "norm.weight: missing" in text
     assert "layers.99.extra: unexpected tensor" in text
     assert "layers.0.self_attn.q_proj.weight: shape (3, 3)" in text
+    assert "layers.0.mlp.down_proj.weight_scale_inv: missing (an FP8 weight" in text
+    assert "layers.0.mlp.nothing_scale_inv: unexpected tensor" in text
 
 
 def test_geometry_round_trips_through_the_transformers_config():

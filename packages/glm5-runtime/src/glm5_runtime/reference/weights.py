@@ -227,6 +227,15 @@ def load_rank(
         w = state_dict.get(name)
         if w is not None and tuple(w.shape) != spec.shape:
             problems.append(f"{name}: shape {tuple(w.shape)} (expects {spec.shape})")
+        if (
+            w is not None
+            and w.dtype == torch.float8_e4m3fn
+            and name + "_scale_inv" not in state_dict
+        ):
+            problems.append(f"{name}_scale_inv: missing (an FP8 weight needs its block scales)")
+    for name in sorted(n for n in state_dict if n.endswith("_scale_inv")):
+        if name.removesuffix("_scale_inv") not in specs:
+            problems.append(f"{name}: unexpected tensor")
     if problems:
         raise ValueError(
             "state dict does not fit the geometry:\n" + "\n".join(f"  - {p}" for p in problems)
