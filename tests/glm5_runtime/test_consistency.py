@@ -8,6 +8,19 @@ from glm5_runtime.reference import ReferenceModel, geometry
 TOL = 1e-5  # FP32: the same math batched differently
 
 
+def tiny(seed, max_requests=4, max_context=96, q=1):
+    """The tiny geometry in FP32, where the same math batched differently agrees to ~1e-6."""
+    return ReferenceModel.random(
+        geometry("tiny"),
+        seed,
+        max_requests=max_requests,
+        max_context=max_context,
+        q=q,
+        block_size=16,
+        dtype=torch.float32,
+    )
+
+
 def tokens(n, seed, vocab=512):
     return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
 
@@ -24,10 +37,7 @@ def test_prefill_last_position_equals_token_by_token_decode(tiny_fp32):
 
 
 def test_verify_of_q_tokens_equals_q_single_decodes():
-    g = geometry("tiny")
-    model = ReferenceModel.random(
-        g, seed=4, max_requests=4, max_context=96, q=4, block_size=16, dtype=torch.float32
-    )
+    model = tiny(seed=4, max_requests=4, max_context=96, q=4)
     prompt, draft = tokens(18, 2), tokens(4, 3)
     a, b = model.add(), model.add()
     model.forward([a, b], torch.cat([prompt, prompt]))
@@ -49,10 +59,7 @@ def conv_window(model, r):
 
 
 def test_accepting_n_of_q_restores_kda_state_exactly_and_continues_like_n_decodes():
-    g = geometry("tiny")
-    model = ReferenceModel.random(
-        g, seed=5, max_requests=4, max_context=96, q=4, block_size=16, dtype=torch.float32
-    )
+    model = tiny(seed=5, max_requests=4, max_context=96, q=4)
     prompt, draft, after = tokens(15, 4), tokens(4, 5), tokens(1, 6)
     a, b = model.add(), model.add()
     model.forward([a, b], torch.cat([prompt, prompt]))
@@ -83,10 +90,7 @@ def test_accepting_n_of_q_restores_kda_state_exactly_and_continues_like_n_decode
 
 def test_accept_all_then_verify_again_matches_decodes():
     """Two verify rounds with different accept counts against the same tokens decoded."""
-    g = geometry("tiny")
-    model = ReferenceModel.random(
-        g, seed=8, max_requests=2, max_context=96, q=3, block_size=16, dtype=torch.float32
-    )
+    model = tiny(seed=8, max_requests=2, max_context=96, q=3)
     prompt, d1, d2 = tokens(10, 12), tokens(3, 13), tokens(3, 14)
     a, b = model.add(), model.add()
     model.forward([a, b], torch.cat([prompt, prompt]))
@@ -162,10 +166,7 @@ def test_a_pool_completed_by_a_rejected_draft_is_rebuilt_from_the_ring():
     # kpool 4: a verify at positions 14..17 completes pool 3 (12..15) with the drafted token
     # at 15; accepting 1 rejects it, and the real token at 15 must recompress pool 3 from the
     # ring (12..14) plus itself. Selection matters: 2 of up to 5 pools are picked.
-    g = geometry("tiny")
-    model = ReferenceModel.random(
-        g, seed=9, max_requests=2, max_context=64, q=4, block_size=16, dtype=torch.float32
-    )
+    model = tiny(seed=9, max_requests=2, max_context=64, q=4)
     prompt, draft, real = tokens(14, 18), tokens(4, 19), tokens(6, 20)
     a, b = model.add(), model.add()
     model.forward([a, b], torch.cat([prompt, prompt]))

@@ -4,7 +4,6 @@ reads, the TP degree it simulates, and the named geometries (`tiny`, `flash`,
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,9 +197,6 @@ class Geometry:
     @property
     def kda_layers(self) -> list[int]:
         return [i for i in range(self.num_hidden_layers) if not self.is_mla(i)]
-
-    def replace(self, **changes: Any) -> Geometry:
-        return dataclasses.replace(self, **changes)
 
     @classmethod
     def from_hf(cls, config: Any, **extra: Any) -> Geometry:
