@@ -1,0 +1,34 @@
+"""Skinny GEMMs of decode (M <= 64): BF16 projections and router (split-K), block-FP8 linears
+with fused activation quantization, and the FP8 dense MLP / shared expert built on them."""
+
+from glm5_kernels.gemm.linear import (
+    MAX_TOKENS,
+    DenseMlp,
+    Fp8Linear,
+    Projection,
+    Router,
+    SharedExpert,
+    Tile,
+    plan,
+)
+from glm5_kernels.gemm.reference import (
+    fp8_linear_ref,
+    fp8_mlp_ref,
+    linear_ref,
+    quantize_tokens_fp8_ref,
+)
+
+__all__ = [
+    "MAX_TOKENS",
+    "DenseMlp",
+    "Fp8Linear",
+    "Projection",
+    "Router",
+    "SharedExpert",
+    "Tile",
+    "fp8_linear_ref",
+    "fp8_mlp_ref",
+    "linear_ref",
+    "plan",
+    "quantize_tokens_fp8_ref",
+]

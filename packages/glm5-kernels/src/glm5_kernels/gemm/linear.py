@@ -1,0 +1,336 @@
+"""Public skinny-GEMM ops: BF16 `Projection` / `Router`, block-FP8 `Fp8Linear`, and the FP8
+MLPs built on it (`DenseMlp`, `SharedExpert`).
+
+Every op is built once over weights it never modifies, serves any token count 1..max_tokens
+(`supports(m)`), and keeps its compiled kernels per token count: `prepare(tokens)` compiles and
+runs each one, after which a call inside CUDA-graph capture launches without compiling or
+allocating anything but its output (the graph's pool). A call during capture for a token count
+that was never prepared is an error, never a compile.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "MAX_TOKENS",
+    "DenseMlp",
+    "Fp8Linear",
+    "Projection",
+    "Router",
+    "SharedExpert",
+    "Tile",
+    "plan",
+]
+
+MAX_TOKENS = 64
+GROUP = 128  # FP8 block / activation group width
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One launch shape: BM tokens (padded), BN output columns and BK of K per CTA step,
+    split_k CTAs along K, warps and pipeline stages."""
+
+    bm: int
+    bn: int
+    bk: int
+    split_k: int
+    warps: int = 4
+    stages: int = 4
+
+
+def plan(m: int, n: int, k: int, *, sms: int, fp8: bool, split_k: bool = True) -> Tile:
+    """The tile for an [m, k] x [n, k]ᵀ product on a GPU with `sms` SMs.
+
+    Weight streaming wants every SM holding loads in flight: at least two CTAs per SM, which
+    N / BN alone gives only for wide weights (LM head, gate_up); narrower ones split K, keeping
+    >= 2 K tiles per split so each CTA still pipelines.
+    """
+    bm = max(16, 1 << (m - 1).bit_length())
+    bn, bk = (128, 128) if fp8 else (64, 128)
+    k_tiles = -(-k // bk)
+    splits = 1
+    if split_k:
+        tiles = -(-n // bn)
+        splits = max(1, min(-(-2 * sms // tiles), k_tiles // 2))
+        splits = -(-k_tiles // -(-k_tiles // splits))  # no empty splits
+    return Tile(bm, bn, bk, splits, warps=4, stages=4 if bm <= 32 else 3)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: few "SMs", so small test shapes still split K
+
+
+def _check_weight(name: str, w: Tensor, dtypes: tuple[torch.dtype, ...], problems: list[str]):
+    if w.dim() != 2:
+        problems.append(f"{name}: expected 2-D [N, K], got shape {tuple(w.shape)}")
+    if w.dtype not in dtypes:
+        problems.append(f"{name}: dtype {w.dtype}, expected one of {dtypes}")
+    if not w.is_contiguous():
+        problems.append(f"{name}: must be contiguous (k-major)")
+    if w.device.type != "cuda" and not _interpreting():
+        problems.append(f"{name}: on {w.device}; the Triton kernels need CUDA")
+
+
+def _raise(op: str, problems: list[str]) -> None:
+    if problems:
+        raise ValueError(f"{op}: " + "; ".join(problems))
+
+
+class _SkinnyGemm:
+    """Host side shared by the ops: tiles per token count, split-K scratch, prepare/capture."""
+
+    fp8 = False
+
+    def __init__(self, n: int, k: int, device: torch.device, split_k_tokens, max_tokens: int):
+        if not 1 <= max_tokens <= MAX_TOKENS:
+            raise ValueError(f"max_tokens={max_tokens}: must be in 1..{MAX_TOKENS}")
+        self.n, self.k, self.max_tokens = n, k, max_tokens
+        split = range(1, max_tokens + 1) if split_k_tokens is None else set(split_k_tokens)
+        sms = _sms(device)
+        self.tiles = {
+            m: plan(m, n, k, sms=sms, fp8=self.fp8, split_k=m in split)
+            for m in range(1, max_tokens + 1)
+        }
+        # One counter per column tile at the narrowest BN any plan may use; the kernels reset
+        # them, so they stay zero between launches (and graph replays).
+        self._counts = torch.zeros(-(-n // 16), dtype=torch.int32, device=device)
+        self._ready: set[int] = set()
+
+    def supports(self, m: int) -> bool:
+        return 1 <= m <= self.max_tokens
+
+    def prepare(self, tokens: Iterable[int]) -> None:
+        """Compile and run once for each token count (do this before CUDA-graph capture)."""
+        for m in tokens:
+            if not self.supports(m):
+                raise ValueError(f"{type(self).__name__}: M={m} outside 1..{self.max_tokens}")
+            self(torch.zeros(m, self._in_features, dtype=torch.bfloat16, device=self._device))
+
+    @property
+    def _in_features(self) -> int:
+        return self.k
+
+    def _check_input(self, x: Tensor) -> int:
+        problems = []
+        if x.dim() != 2 or x.shape[-1] != self._in_features:
+            problems.append(f"x: shape {tuple(x.shape)}, expected [M, {self._in_features}]")
+        if x.dtype != torch.bfloat16:
+            problems.append(f"x: dtype {x.dtype}, expected torch.bfloat16")
+        if x.dim() == 2 and x.stride(-1) != 1:
+            problems.append("x: columns must be contiguous (stride 1)")
+        if x.data_ptr() % 16:
+            problems.append("x: data must be 16-byte aligned")
+        if x.device != self._device:
+            problems.append(f"x: on {x.device}, weights on {self._device}")
+        m = x.shape[0] if x.dim() == 2 else 0
+        if not self.supports(m):
+            problems.append(f"x: M={m} outside the compiled range 1..{self.max_tokens}")
+        _raise(type(self).__name__, problems)
+        if m not in self._ready:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"{type(self).__name__}: M={m} was not prepared; call prepare() before "
+                    "CUDA-graph capture (a capture must never compile)"
+                )
+            self._ready.add(m)
+        return m
+
+    def _output(self, m: int, out: Tensor | None) -> Tensor:
+        if out is None:
+            return torch.empty(m, self.n, dtype=self.out_dtype, device=self._device)
+        if out.shape != (m, self.n) or out.dtype != self.out_dtype or out.stride(-1) != 1:
+            raise ValueError(
+                f"{type(self).__name__}: out must be [{m}, {self.n}] {self.out_dtype} with "
+                f"contiguous columns, got {tuple(out.shape)} {out.dtype} strides {out.stride()}"
+            )
+        return out
+
+    def _scratch(self, tile: Tile) -> Tensor:
+        tiles = -(-self.n // tile.bn)
+        size = tile.split_k * tiles * tile.bn * tile.bm if tile.split_k > 1 else 1
+        return torch.empty(size, dtype=torch.float32, device=self._device)
+
+
+class Projection(_SkinnyGemm):
+    """BF16 projection y [M, N] = x [M, K] @ weightᵀ (weight [N, K] BF16), M <= max_tokens.
+
+    `split_k_tokens`: the token counts allowed to split K (default: all; the plan still picks
+    one split where N alone fills the GPU). `out_dtype`: BF16 (default) or FP32.
+    """
+
+    def __init__(
+        self,
+        weight: Tensor,
+        split_k_tokens: Iterable[int] | None = None,
+        *,
+        out_dtype: torch.dtype = torch.bfloat16,
+        max_tokens: int = MAX_TOKENS,
+    ):
+        problems: list[str] = []
+        _check_weight("weight", weight, (torch.bfloat16,), problems)
+        if out_dtype not in (torch.bfloat16, torch.float32):
+            problems.append(f"out_dtype {out_dtype}: expected bfloat16 or float32")
+        _raise(type(self).__name__, problems)
+        self.weight, self.out_dtype, self._device = weight, out_dtype, weight.device
+        super().__init__(*weight.shape, weight.device, split_k_tokens, max_tokens)
+
+    def __call__(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        """x [M, K] BF16 -> [M, N] out_dtype (written into `out` when given)."""
+        from .triton_skinny import bf16_gemm_kernel
+
+        m = self._check_input(x)
+        t = self.tiles[m]
+        out = self._output(m, out)
+        k_tiles = -(-self.k // t.bk)
+        grid = (-(-self.n // t.bn), t.split_k)
+        bf16_gemm_kernel[grid](
+            x, self.weight, out, self._scratch(t), self._counts,
+            m, self.n, self.k, x.stride(0), out.stride(0), -(-k_tiles // t.split_k),
+            BM=t.bm, BN=t.bn, BK=t.bk, SPLIT_K=t.split_k, EVEN_K=self.k % t.bk == 0, INTERPRETER=_interpreting(),
+            num_warps=t.warps, num_stages=t.stages,
+        )  # fmt: skip
+        return out
+
+
+class Router(Projection):
+    """MoE router logits: x [M, hidden] BF16 @ gate weight [E, hidden]ᵀ BF16 -> [M, E] FP32,
+    split-K at every token count (288 experts alone fill only a few CTAs)."""
+
+    def __init__(self, weight: Tensor, *, max_tokens: int = MAX_TOKENS):
+        super().__init__(weight, None, out_dtype=torch.float32, max_tokens=max_tokens)
+
+
+class Fp8Linear(_SkinnyGemm):
+    """Block-FP8 linear y [M, N] BF16 = quant(x [M, K] BF16) @ dequant(weight [N, K] e4m3)ᵀ.
+
+    weight_scale_inv [⌈N/128⌉, K/128]: FP32, or torch.float8_e8m0fnu (UE8M0 exponents). `ue8m0`
+    rounds the per-token 1×128 activation scales up to powers of two (DeepGEMM's E8M0 mode).
+    With `swiglu_limit` the input is a gate_up output [M, 2K] and the op computes
+    down(swiglu(x)) — the second half of an FP8 MLP. K must be a multiple of 128.
+    """
+
+    fp8 = True
+
+    def __init__(
+        self,
+        weight: Tensor,
+        weight_scale_inv: Tensor,
+        *,
+        ue8m0: bool = False,
+        swiglu_limit: float | None = None,
+        split_k_tokens: Iterable[int] | None = None,
+        out_dtype: torch.dtype = torch.bfloat16,
+        max_tokens: int = MAX_TOKENS,
+    ):
+        problems: list[str] = []
+        _check_weight("weight", weight, (torch.float8_e4m3fn,), problems)
+        s = weight_scale_inv
+        if s.dtype not in (torch.float32, torch.float8_e8m0fnu):
+            problems.append(f"weight_scale_inv: dtype {s.dtype}, expected float32 or e8m0fnu")
+        if weight.dim() == 2:
+            n, k = weight.shape
+            if k % GROUP:
+                problems.append(f"weight: K={k} is not a multiple of {GROUP}")
+            want = (-(-n // GROUP), k // GROUP)
+            if tuple(s.shape) != want or not s.is_contiguous():
+                problems.append(
+                    f"weight_scale_inv: shape {tuple(s.shape)}, expected contiguous {want}"
+                )
+        if s.device != weight.device:
+            problems.append(f"weight_scale_inv: on {s.device}, weight on {weight.device}")
+        if swiglu_limit is not None and not swiglu_limit > 0:
+            problems.append(f"swiglu_limit={swiglu_limit}: must be > 0")
+        if out_dtype not in (torch.bfloat16, torch.float32):
+            problems.append(f"out_dtype {out_dtype}: expected bfloat16 or float32")
+        _raise(type(self).__name__, problems)
+        self.weight, self.out_dtype, self._device = weight, out_dtype, weight.device
+        e8m0 = s.dtype == torch.float8_e8m0fnu
+        self.scale = s.view(torch.uint8) if e8m0 else s
+        self.scale_e8m0, self.ue8m0, self.swiglu_limit = e8m0, ue8m0, swiglu_limit
+        super().__init__(*weight.shape, weight.device, split_k_tokens, max_tokens)
+
+    @property
+    def _in_features(self) -> int:
+        return 2 * self.k if self.swiglu_limit is not None else self.k
+
+    def __call__(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        """x [M, K] BF16 (SwiGLU: [M, 2K]) -> [M, N] out_dtype (into `out` when given)."""
+        from .triton_skinny import fp8_gemm_kernel
+
+        m = self._check_input(x)
+        t = self.tiles[m]
+        out = self._output(m, out)
+        k_tiles = self.k // GROUP
+        grid = (-(-self.n // t.bn), t.split_k)
+        limit = self.swiglu_limit if self.swiglu_limit is not None else math.inf
+        fp8_gemm_kernel[grid](
+            x, self.weight, self.scale, out, self._scratch(t), self._counts,
+            m, self.n, self.k, x.stride(0), out.stride(0), -(-k_tiles // t.split_k), limit,
+            BM=t.bm, BN=t.bn, SPLIT_K=t.split_k, UE8M0=self.ue8m0,
+            SCALE_E8M0=self.scale_e8m0, SWIGLU=self.swiglu_limit is not None,
+            INTERPRETER=_interpreting(),
+            num_warps=t.warps, num_stages=t.stages,
+        )  # fmt: skip
+        return out
+
+
+class DenseMlp:
+    """FP8 SwiGLU MLP as two skinny GEMMs: x [M, D] BF16 -> [M, D] BF16 (TP-partial when the
+    weights are one rank's shard).
+
+    gate_up [2I, D] e4m3 (gate rows, then up rows) with scales [2I/128, D/128]; down [D, I]
+    e4m3 with scales [D/128, I/128]; clamped SwiGLU at `swiglu_limit`, fused into the down
+    GEMM's activation load. Numerics follow vLLM's stock sequence (BF16 between the GEMMs).
+    """
+
+    def __init__(
+        self,
+        gate_up: Tensor,
+        gate_up_scale_inv: Tensor,
+        down: Tensor,
+        down_scale_inv: Tensor,
+        swiglu_limit: float,
+        ue8m0: bool = False,
+        *,
+        max_tokens: int = MAX_TOKENS,
+    ):
+        if gate_up.dim() == 2 and down.dim() == 2 and gate_up.shape[0] != 2 * down.shape[1]:
+            raise ValueError(
+                f"{type(self).__name__}: gate_up rows {gate_up.shape[0]} != 2 x down columns "
+                f"{down.shape[1]}"
+            )
+        self.gate_up = Fp8Linear(gate_up, gate_up_scale_inv, ue8m0=ue8m0, max_tokens=max_tokens)
+        self.down = Fp8Linear(
+            down, down_scale_inv, ue8m0=ue8m0, swiglu_limit=swiglu_limit, max_tokens=max_tokens
+        )
+
+    def supports(self, m: int) -> bool:
+        return self.gate_up.supports(m)
+
+    def prepare(self, tokens: Iterable[int]) -> None:
+        tokens = list(tokens)
+        self.gate_up.prepare(tokens)
+        self.down.prepare(tokens)
+
+    def __call__(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        """x [M, D] BF16 -> [M, D] BF16."""
+        return self.down(self.gate_up(x), out)
+
+
+class SharedExpert(DenseMlp):
+    """The MoE layer's shared expert: a DenseMlp at moe_intermediate_size (same weights'
+    layout, `shared_experts.gate_up_proj` / `down_proj`)."""

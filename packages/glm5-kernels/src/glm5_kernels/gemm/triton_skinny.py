@@ -1,0 +1,155 @@
+"""Triton skinny GEMMs for decode: y[M, N] = x[M, K] @ w[N, K]ᵀ with M <= 64.
+
+Weight streaming is the whole cost at these M, so the kernels are laid out for it:
+  * swap-AB: a CTA owns BN output columns and computes accᵀ [BN, BM] = w_tile @ x_tileᵀ, so the
+    wide weight tile is the MMA's M side and the handful of tokens pads only to BM = 16..64;
+  * split-K over a second grid axis when N alone gives too few CTAs to keep every SM's loads
+    in flight; the last CTA of a column tile to finish (an acq_rel counter per tile, reset by
+    that CTA, so a CUDA graph replays it) sums the FP32 partials in split order — one launch,
+    deterministic;
+  * rows past M / N are clamped onto the last valid row instead of masked, so every load is
+    an unmasked full tile; only the store is masked.
+The FP8 kernel quantizes each 1×128 activation group in registers (the per-token scale of
+vLLM's per_token_group_quant_fp8, UE8M0 optional), runs an e4m3 MMA per 128-wide K block and
+applies both scales in FP32; with SWIGLU its input is the gate_up output [M, 2K] and the
+clamped SwiGLU (rounded to BF16, as the stock sequence stores it) is formed on the fly.
+"""
+
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+
+# INTERPRETER (constexpr, true only under TRITON_INTERPRET=1): the CPU interpreter's tl.dot
+# multiplies BF16 as raw uint16 bits and its FP32 -> BF16 / e4m3 casts truncate (and mis-carry
+# when asked to round), so there the BF16 dot runs on exact FP32 upcasts and every narrowing
+# cast is rounded to nearest-even in FP32 arithmetic first, after which the cast is exact.
+# Same values as the GPU's instructions, different instructions.
+
+
+@triton.jit
+def _round_nearest(q, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+    """FP32 q -> the nearest value with MANTISSA fraction bits (ties to even), as FP32."""
+    e = tl.maximum(((q.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, MIN_EXP)
+    step = ((e - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)  # the spacing at q
+    return ((q / step + 12582912.0) - 12582912.0) * step  # +-1.5*2^23 rounds to an integer
+
+
+@triton.jit
+def _narrow(x, dtype: tl.constexpr, INTERPRETER: tl.constexpr):
+    """FP32 -> BF16 / FP32 with round-to-nearest-even on every backend."""
+    if INTERPRETER and dtype == tl.bfloat16:
+        x = _round_nearest(x, 7, -119)  # below 2^-119 the spacing floors at 2^-126
+    return x.to(dtype)
+
+
+@triton.jit
+def _finish(acc, out_ptr, part_ptr, count_ptr, M, N, stride_om,
+            BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr,
+            INTERPRETER: tl.constexpr):  # fmt: skip
+    """Store accᵀ [BN, BM] into out[M, N], through the split-K fixup when SPLIT_K > 1."""
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = tl.arange(0, BM)
+    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, _narrow(acc, out_ptr.dtype.element_ty, INTERPRETER), mask=mask)
+    else:
+        tiles = tl.num_programs(0)
+        tile = tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
+        tl.store(part_ptr + (tl.program_id(1) * tiles + pid_n) * BN * BM + tile, acc)
+        # Every thread's partial is stored before the one thread issuing the release.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros([BN, BM], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                # .cg: L1 is not coherent across SMs; the other partials live in L2.
+                p = part_ptr + (s * tiles + pid_n) * BN * BM + tile
+                total += tl.load(p, cache_modifier=".cg")
+            tl.store(out_ptrs, _narrow(total, out_ptr.dtype.element_ty, INTERPRETER), mask=mask)
+            tl.atomic_xchg(count_ptr + pid_n, 0)
+
+
+@triton.jit(do_not_specialize=["M"])
+def bf16_gemm_kernel(
+    x_ptr,  # [M, K] BF16, row stride stride_xm, unit column stride
+    w_ptr,  # [N, K] BF16, k-major
+    out_ptr,  # [M, N] BF16 or FP32, row stride stride_om
+    part_ptr,  # [SPLIT_K, tiles, BN, BM] FP32 partials (unused when SPLIT_K == 1)
+    count_ptr,  # [tiles] int32, zero between launches
+    M, N, K, stride_xm, stride_om,
+    K_TILES,  # BK tiles per split
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRETER: tl.constexpr,
+):  # fmt: skip
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    offs_m = tl.arange(0, BM)
+    offs_k = tl.arange(0, BK)
+    w_ptrs = w_ptr + tl.minimum(offs_n, N - 1)[:, None] * K + offs_k[None, :]
+    x_ptrs = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm + offs_k[None, :]
+    k_lo = tl.program_id(1) * K_TILES * BK
+    k_hi = tl.minimum(k_lo + K_TILES * BK, K)
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    for k in range(k_lo, k_hi, BK):
+        if EVEN_K:
+            w = tl.load(w_ptrs + k)
+            x = tl.load(x_ptrs + k)
+        else:
+            in_k = (k + offs_k)[None, :] < K
+            w = tl.load(w_ptrs + k, mask=in_k, other=0.0)
+            x = tl.load(x_ptrs + k, mask=in_k, other=0.0)
+        if INTERPRETER:
+            w, x = w.to(tl.float32), x.to(tl.float32)
+        acc = tl.dot(w, tl.trans(x), acc)
+    _finish(acc, out_ptr, part_ptr, count_ptr, M, N, stride_om, BM, BN, SPLIT_K, INTERPRETER)
+
+
+@triton.jit(do_not_specialize=["M"])
+def fp8_gemm_kernel(
+    x_ptr,  # [M, K] BF16 (SWIGLU: gate_up [M, 2K], gate columns then up columns)
+    w_ptr,  # [N, K] float8_e4m3fn, k-major
+    ws_ptr,  # [⌈N/128⌉, K/128] FP32, or uint8 UE8M0 exponents (SCALE_E8M0)
+    out_ptr,  # [M, N] BF16 or FP32
+    part_ptr, count_ptr,  # split-K partials and counters, as in bf16_gemm_kernel
+    M, N, K, stride_xm, stride_om, K_TILES, limit,
+    BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr,
+    UE8M0: tl.constexpr, SCALE_E8M0: tl.constexpr, SWIGLU: tl.constexpr,
+    INTERPRETER: tl.constexpr,
+):  # fmt: skip
+    BK: tl.constexpr = 128  # one weight scale per 128-wide K block
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    offs_m = tl.arange(0, BM)
+    offs_k = tl.arange(0, BK)
+    rows_n = tl.minimum(offs_n, N - 1)
+    w_ptrs = w_ptr + rows_n[:, None] * K + offs_k[None, :]
+    x_ptrs = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm + offs_k[None, :]
+    ws_ptrs = ws_ptr + (rows_n // BK) * (K // BK)
+    kt_lo = tl.program_id(1) * K_TILES
+    kt_hi = tl.minimum(kt_lo + K_TILES, K // BK)
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    for kt in range(kt_lo, kt_hi):
+        w = tl.load(w_ptrs + kt * BK)
+        if SWIGLU:
+            gate = tl.minimum(tl.load(x_ptrs + kt * BK).to(tl.float32), limit)
+            up = tl.load(x_ptrs + K + kt * BK).to(tl.float32)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            x = _narrow(gate * tl.sigmoid(gate) * up, tl.bfloat16, INTERPRETER).to(tl.float32)
+        else:
+            x = tl.load(x_ptrs + kt * BK).to(tl.float32)
+        sx = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / FP8_MAX
+        if UE8M0:  # round up to a power of two: carry any mantissa bit into the exponent
+            bits = sx.to(tl.int32, bitcast=True)
+            sx = ((bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+        xq = tl.minimum(tl.maximum(x / sx[:, None], -FP8_MAX), FP8_MAX)
+        if INTERPRETER:
+            xq = _round_nearest(xq, 3, -6)  # e4m3: subnormals below 2^-6
+        xq = xq.to(tl.float8e4nv)
+        if SCALE_E8M0:
+            e = tl.load(ws_ptrs + kt).to(tl.int32)
+            sw = (e << 23).to(tl.float32, bitcast=True)
+        else:
+            sw = tl.load(ws_ptrs + kt)
+        acc += tl.dot(w, tl.trans(xq)) * sw[:, None] * sx[None, :]
+    _finish(acc, out_ptr, part_ptr, count_ptr, M, N, stride_om, BM, BN, SPLIT_K, INTERPRETER)

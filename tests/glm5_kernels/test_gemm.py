@@ -1,0 +1,227 @@
+"""Skinny GEMMs on CPU: the references against exact arithmetic, the Triton kernels under the
+interpreter at small off-grid sizes (every split-K and SwiGLU path), tile plans, bad input.
+The real GLM-5.3-Flash shapes run on the GPU (test_gemm_gpu.py)."""
+
+import os
+
+import pytest
+import torch
+from gemm_cases import (
+    assert_linear_close,
+    assert_mlp_close,
+    bf16_inputs,
+    fp8_inputs,
+    mlp_weights,
+    poisoned,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from glm5_kernels.gemm import (
+    DenseMlp,
+    Fp8Linear,
+    Projection,
+    Router,
+    SharedExpert,
+    fp8_linear_ref,
+    linear_ref,
+    plan,
+    quantize_tokens_fp8_ref,
+)
+from glm5_kernels.gemm.shapes import flash_shapes
+from glm5_kernels.moe import swiglu_ref
+
+interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton kernels on CPU need TRITON_INTERPRET=1"
+)
+
+
+# --- references ---------------------------------------------------------------------------
+
+
+def test_token_quantization_matches_its_definition():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 384, generator=gen).bfloat16()
+    x[1, 128:256] = 0  # an all-zero group takes the 1e-10 floor, not a division by zero
+    for ue8m0 in (False, True):
+        q, s = quantize_tokens_fp8_ref(x, ue8m0)
+        assert q.dtype == torch.float8_e4m3fn and s.shape == (5, 3)
+        amax = x.float().reshape(5, 3, 128).abs().amax(-1)
+        if ue8m0:
+            assert torch.equal(s, 2.0 ** torch.ceil(torch.log2(s)))  # powers of two
+            assert (s >= amax / 448).all() and (s < 2 * amax.clamp_min(1e-10) / 448).all()
+        else:
+            torch.testing.assert_close(s, amax.clamp_min(1e-10) / 448, rtol=0, atol=0)
+        deq = q.float().reshape(5, 3, 128) * s[..., None]
+        # e4m3 rounds to 3 mantissa bits: half an ulp is 1/16 of the value's binade.
+        err = (deq - x.float().reshape(5, 3, 128)).abs()
+        assert (err <= amax[..., None] / 16 + 2.0**-9 * s[..., None]).all()
+        assert torch.equal(q[1, 128:256].float(), torch.zeros(128))
+
+
+def test_fp8_linear_ref_is_the_dequantized_product():
+    gen = torch.Generator().manual_seed(1)
+    x, w, s = fp8_inputs(3, 200, 256, "cpu", gen)
+    xq, sx = quantize_tokens_fp8_ref(x)
+    xd = (xq.double().reshape(3, 2, 128) * sx.double()[..., None]).reshape(3, 256)
+    wd = w.double() * s.double().repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)
+    exact = xd @ wd.T
+    y = fp8_linear_ref(x, w, s, out_dtype=torch.float64)
+    torch.testing.assert_close(y, exact, rtol=1e-12, atol=0)
+    # ... and close to the unquantized product: FP8 activations cost ~2^-5 relative per term.
+    full = linear_ref(x, w.float() * s.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1))
+    assert (y.float() - full.float()).norm() <= 0.05 * full.float().norm()
+
+
+def test_e8m0_scales_read_as_powers_of_two():
+    s = torch.tensor([[0.25, 1.0], [2.0**-20, 8.0]])
+    e = s.to(torch.float8_e8m0fnu)
+    assert torch.equal(e.float(), s)
+    assert torch.equal(e.view(torch.uint8).int(), torch.log2(s).int() + 127)
+
+
+# --- kernels under the interpreter -------------------------------------------------------
+
+
+@interpreter
+@pytest.mark.parametrize(
+    "m, n, k, split",
+    [(1, 100, 640, True), (5, 300, 1000, True), (17, 64, 520, True), (64, 90, 384, False)],
+    ids=lambda v: str(v),
+)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_projection(m, n, k, split, out_dtype):
+    gen = torch.Generator().manual_seed(m * n + k)
+    x, w = bf16_inputs(m, n, k, "cpu", gen)
+    op = Projection(w, None if split else (), out_dtype=out_dtype)
+    assert (op.tiles[m].split_k > 1) == split  # both the fixup and the direct store run
+    y = op(x, out=poisoned(m, n, out_dtype, "cpu"))
+    exact = linear_ref(x, w, torch.float64)
+    abs_product = linear_ref(x.abs(), w.abs(), torch.float64)
+    assert_linear_close(y, exact, abs_product, k, out_dtype == torch.bfloat16)
+    # The split-K counters reset themselves: a second call (a graph replay) agrees exactly.
+    assert torch.equal(op(x), y)
+    assert not op._counts.any()
+
+
+@interpreter
+def test_router_is_fp32_and_splits():
+    gen = torch.Generator().manual_seed(7)
+    x, w = bf16_inputs(3, 288, 512, "cpu", gen)
+    router = Router(w)
+    assert router.tiles[3].split_k > 1
+    y = router(x)
+    assert y.dtype == torch.float32
+    exact = linear_ref(x, w, torch.float64)
+    assert_linear_close(y, exact, linear_ref(x.abs(), w.abs(), torch.float64), 512, False)
+
+
+@interpreter
+@pytest.mark.parametrize(
+    "m, n, k", [(1, 100, 256), (6, 300, 1024), (40, 130, 512)], ids=lambda v: str(v)
+)
+@pytest.mark.parametrize("e8m0", [False, True], ids=["fp32-scales", "ue8m0"])
+def test_fp8_linear(m, n, k, e8m0):
+    gen = torch.Generator().manual_seed(m + n + k)
+    x, w, s = fp8_inputs(m, n, k, "cpu", gen, e8m0)
+    op = Fp8Linear(w, s, ue8m0=e8m0)
+    y = op(x, out=poisoned(m, n, torch.bfloat16, "cpu"))
+    exact = fp8_linear_ref(x, w, s, e8m0, torch.float64)
+    xq, sx = quantize_tokens_fp8_ref(x, e8m0)
+    abs_product = fp8_linear_ref(x.abs(), w.float().abs().to(w.dtype), s, e8m0, torch.float64)
+    assert_linear_close(y, exact, abs_product, k, True)
+
+
+@interpreter
+@pytest.mark.parametrize("e8m0", [False, True], ids=["fp32-scales", "ue8m0"])
+def test_swiglu_down_projection(e8m0):
+    """The down GEMM's fused input: clamped SwiGLU of a gate_up output, rounded to BF16."""
+    gen = torch.Generator().manual_seed(3)
+    m, n, i, limit = 4, 192, 256, 1.5
+    h = (3 * torch.randn(m, 2 * i, generator=gen)).bfloat16()  # past the limit: clamps act
+    _, w, s = fp8_inputs(m, n, i, "cpu", gen, e8m0)
+    y = Fp8Linear(w, s, ue8m0=e8m0, swiglu_limit=limit)(h)
+    a = swiglu_ref(h, limit).bfloat16()
+    exact = fp8_linear_ref(a, w, s, e8m0, torch.float64)
+    ref = exact.bfloat16().double()
+    assert (y.double() - ref).norm() <= 5e-3 * ref.norm()
+
+
+@interpreter
+@pytest.mark.parametrize("cls", [DenseMlp, SharedExpert])
+@pytest.mark.parametrize("e8m0", [False, True], ids=["fp32-scales", "ue8m0"])
+def test_fp8_mlp(cls, e8m0):
+    gen = torch.Generator().manual_seed(11)
+    d, i, m = 256, 384, 3
+    weights = mlp_weights(d, i, "cpu", gen, e8m0)
+    mlp = cls(*weights[:4], swiglu_limit=7.0, ue8m0=e8m0)
+    x = torch.randn(m, d, generator=gen).bfloat16()
+    assert_mlp_close(mlp(x), x, weights, 7.0, e8m0)
+
+
+# --- plans ----------------------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    m=st.integers(1, 64),
+    n=st.integers(1, 200_000),
+    k=st.integers(1, 20_000),
+    sms=st.sampled_from([4, 78, 132, 148]),
+    fp8=st.booleans(),
+)
+def test_plan_covers_k_without_empty_splits(m, n, k, sms, fp8):
+    t = plan(m, n, k, sms=sms, fp8=fp8)
+    assert t.bm >= m and t.bm in (16, 32, 64)
+    k_tiles = -(-k // t.bk)
+    per_split = -(-k_tiles // t.split_k)
+    assert 1 <= t.split_k <= max(1, k_tiles // 2) and per_split * t.split_k >= k_tiles
+    assert (t.split_k - 1) * per_split < k_tiles  # the last split holds work
+    assert plan(m, n, k, sms=sms, fp8=fp8, split_k=False).split_k == 1
+
+
+def test_flash_shapes_are_fp8_aligned():
+    for tp in (1, 2, 4, 8):
+        for name, (kind, n, k) in flash_shapes(tp).items():
+            if kind in ("fp8", "mlp"):
+                assert k % 128 == 0 and n % 128 == 0, (tp, name)
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+
+@interpreter
+def test_bad_weights_name_every_problem():
+    w = torch.zeros(64, 200, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError) as e:
+        Fp8Linear(w, torch.ones(1, 1, dtype=torch.float16), swiglu_limit=-1.0)
+    msg = str(e.value)
+    for part in ("K=200 is not a multiple of 128", "weight_scale_inv: dtype", "swiglu_limit"):
+        assert part in msg
+    with pytest.raises(ValueError, match="dtype torch.float32"):
+        Projection(torch.zeros(8, 16))
+    with pytest.raises(ValueError, match="contiguous"):
+        Projection(torch.zeros(16, 8, dtype=torch.bfloat16).T)
+    with pytest.raises(ValueError, match="gate_up rows"):
+        DenseMlp(
+            torch.zeros(256, 128, dtype=torch.float8_e4m3fn), torch.ones(2, 1),
+            torch.zeros(128, 256, dtype=torch.float8_e4m3fn), torch.ones(1, 2), 7.0,
+        )  # fmt: skip
+
+
+@interpreter
+def test_bad_inputs_name_every_problem():
+    op = Projection(torch.zeros(32, 128, dtype=torch.bfloat16), max_tokens=8)
+    with pytest.raises(ValueError) as e:
+        op(torch.zeros(9, 64))
+    msg = str(e.value)
+    assert "expected [M, 128]" in msg and "torch.float32" in msg and "M=9 outside" in msg
+    with pytest.raises(ValueError, match="columns must be contiguous"):
+        op(torch.zeros(128, 4, dtype=torch.bfloat16).T)
+    with pytest.raises(ValueError, match="out must be"):
+        op(torch.zeros(2, 128, dtype=torch.bfloat16), out=torch.empty(2, 32))
+    with pytest.raises(ValueError, match="outside 1..8"):
+        op.prepare([0])
+    assert op.supports(8) and not op.supports(9) and not op.supports(0)
+    with pytest.raises(ValueError, match="max_tokens=65"):
+        Projection(torch.zeros(32, 128, dtype=torch.bfloat16), max_tokens=65)
