@@ -200,7 +200,8 @@ class Projection(_SkinnyGemm):
         bf16_gemm_kernel[grid](
             x, self.weight, out, self._scratch(t), self._counts,
             m, self.n, self.k, x.stride(0), out.stride(0), -(-k_tiles // t.split_k),
-            BM=t.bm, BN=t.bn, BK=t.bk, SPLIT_K=t.split_k, EVEN_K=self.k % t.bk == 0, INTERPRETER=_interpreting(),
+            BM=t.bm, BN=t.bn, BK=t.bk, SPLIT_K=t.split_k, EVEN_K=self.k % t.bk == 0,
+            INTERPRETER=_interpreting(),
             num_warps=t.warps, num_stages=t.stages,
         )  # fmt: skip
         return out

@@ -18,7 +18,7 @@ clamped SwiGLU (rounded to BF16, as the stock sequence stores it) is formed on t
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
+FP8_MAX = tl.constexpr(448.0)
 
 # INTERPRETER (constexpr, true only under TRITON_INTERPRET=1): the CPU interpreter's tl.dot
 # multiplies BF16 as raw uint16 bits and its FP32 -> BF16 / e4m3 casts truncate (and mis-carry

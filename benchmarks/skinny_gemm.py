@@ -1,0 +1,262 @@
+"""Skinny GEMMs of GLM-5.3-Flash decode on one GPU: every op of a TP-1 and a TP-4 rank
+(glm5_kernels.gemm.shapes) at M in {1, 2, 4, 8, 16, 32, 64} tokens, ours vs the stock path
+built from the best library here, and vs the HBM floor.
+
+Stock: BF16 -> cuBLAS (`x @ wᵀ`; router: `torch.mm(..., out_dtype=float32)` where torch has
+it, else cuBLAS BF16 + cast); FP8 -> torch._scaled_mm with 1x128 / 128x128 block scales
+(CUTLASS) on activations quantized beforehand (the quantization is *not* charged to stock);
+FP8 MLP -> the same two GEMMs plus torch's SwiGLU and quantization ops. Floor: weights +
+scales + activations + outputs / the better of read-only and copy bandwidth measured here.
+Timing: each op is captured many times in one CUDA graph over rotating weight copies that
+together exceed 4x L2 (every call streams cold weights); median over replays / calls.
+Every timed op is first checked against its FP64 reference.
+
+    PYTHONPATH=packages/glm5-kernels/src python benchmarks/skinny_gemm.py \\
+        --out benchmarks/results/skinny_gemm_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from datetime import date
+
+import torch
+
+from glm5_kernels.gemm import (
+    DenseMlp,
+    Fp8Linear,
+    Projection,
+    Router,
+    Tile,
+    fp8_linear_ref,
+    linear_ref,
+    quantize_tokens_fp8_ref,
+)
+from glm5_kernels.gemm.shapes import flash_shapes
+from glm5_kernels.quant import quantize_fp8_block_ref
+
+
+def time_calls(fns, iters: int = 15) -> float:
+    """Median microseconds per call of `fns` run back to back in one CUDA graph."""
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(fns))
+    del graph
+    return statistics.median(times)
+
+
+def bandwidth() -> dict[str, float]:
+    """Bytes/s: a 4 GiB read-only reduction and a 2 GiB device copy (read + write)."""
+    big = torch.ones(1 << 31, dtype=torch.bfloat16, device="cuda")
+    sink = torch.empty((), dtype=torch.float32, device="cuda")
+    read = time_calls([lambda b=big: torch.sum(b, dtype=torch.float32, out=sink)] * 4)
+    src = big.view(torch.uint8)[: 2 << 30]
+    dst = torch.empty_like(src)
+    copy = time_calls([lambda d=dst, s=src: d.copy_(s)] * 4)
+    return {"read": (2 << 31) / (read * 1e-6), "copy": 2 * (2 << 30) / (copy * 1e-6)}
+
+
+def stock_fp8(x, w, s):
+    """torch._scaled_mm with block scales (None where this torch / GPU refuses them)."""
+    xq, sx = quantize_tokens_fp8_ref(x)
+    try:
+        out = torch._scaled_mm(
+            xq, w.T, scale_a=sx.T.contiguous().T, scale_b=s.T.contiguous().T,
+            out_dtype=torch.bfloat16,
+        )  # fmt: skip
+    except (RuntimeError, NotImplementedError, TypeError) as e:
+        print(f"  torch._scaled_mm block scales unavailable: {str(e).splitlines()[0]}")
+        return None
+    ref = fp8_linear_ref(x, w, s, out_dtype=torch.float64)
+    err = (out.double() - ref).norm() / ref.norm()
+    if not err < 1e-2:
+        print(f"  torch._scaled_mm block scales disagree with the reference ({err:.2e})")
+        return None
+    sa, sb = sx.T.contiguous().T, s.T.contiguous().T
+    return lambda: torch._scaled_mm(xq, w.T, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+
+
+def scaled_mm(x, w, s):
+    """Stock block-FP8 linear: quantize the activations, then torch._scaled_mm."""
+    xq, sx = quantize_tokens_fp8_ref(x)
+    return torch._scaled_mm(
+        xq, w.T, scale_a=sx.T.contiguous().T, scale_b=s.T.contiguous().T,
+        out_dtype=torch.bfloat16,
+    )  # fmt: skip
+
+
+def build(kind, n, k, m, copies, gen, tile: Tile | None):
+    """(ours, stock, stock name, bytes touched, max relative error, tile) for one shape."""
+    x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
+    ours, stock, nbytes, err = [], [], 0, 0.0
+    name = "cublas"
+    for _ in range(copies):
+        if kind in ("bf16", "router"):
+            w = (torch.randn(n, k, generator=gen, device="cuda") / k**0.5).bfloat16()
+            op = Router(w) if kind == "router" else Projection(w)
+            out_bytes = m * n * (4 if kind == "router" else 2)
+            nbytes = w.nbytes + x.nbytes + out_bytes
+            if kind == "router":
+                try:
+                    torch.mm(x, w.T, out_dtype=torch.float32)
+                    stock.append(lambda x=x, w=w: torch.mm(x, w.T, out_dtype=torch.float32))
+                    name = "cublas (out_dtype=fp32)"
+                except (RuntimeError, TypeError):
+                    stock.append(lambda x=x, w=w: (x @ w.T).float())
+                    name = "cublas + cast"
+            else:
+                stock.append(lambda x=x, w=w: x @ w.T)
+            ref = linear_ref(x, w, torch.float64)
+        elif kind == "fp8":
+            wq, s = quantize_fp8_block_ref(torch.randn(n, k, generator=gen, device="cuda") / k**0.5)
+            op = Fp8Linear(wq, s)
+            nbytes = wq.nbytes + s.nbytes + x.nbytes + m * n * 2
+            fn = stock_fp8(x, wq, s)
+            if fn is not None:
+                stock.append(fn)
+                name = "torch._scaled_mm block-scaled (activations pre-quantized)"
+            ref = fp8_linear_ref(x, wq, s, out_dtype=torch.float64)
+        else:  # mlp: n = 2I, k = D
+            i = n // 2
+            q13, s13 = quantize_fp8_block_ref(torch.randn(n, k, generator=gen, device="cuda"))
+            q2, s2 = quantize_fp8_block_ref(torch.randn(k, i, generator=gen, device="cuda"))
+            op = DenseMlp(q13, s13, q2, s2, 10.0)
+            nbytes = q13.nbytes + s13.nbytes + q2.nbytes + s2.nbytes + 2 * x.nbytes
+            up, down = stock_fp8(x, q13, s13), None
+            if up is not None:
+                h = up()
+                a = torch.nn.functional.silu(h[:, :i].clamp(max=10.0)) * h[:, i:].clamp(-10, 10)
+                down = stock_fp8(a.bfloat16(), q2, s2)
+            if down is not None:
+
+                def mlp(x=x, q13=q13, s13=s13, q2=q2, s2=s2, i=i):
+                    h = scaled_mm(x, q13, s13)
+                    g = torch.nn.functional.silu(h[:, :i].clamp(max=10.0))
+                    return scaled_mm((g * h[:, i:].clamp(-10, 10)).bfloat16(), q2, s2)
+
+                stock.append(mlp)
+                name = "torch._scaled_mm x2 + torch SwiGLU / quantization ops"
+            ref = None
+        if tile is not None:
+            op.tiles[m] = tile
+        op.prepare([m])
+        if ref is not None:
+            y = op(x).double()
+            err = max(err, ((y - ref).norm() / ref.norm()).item())
+        ours.append(lambda op=op, x=x: op(x))
+    plan = getattr(op, "tiles", {}).get(m)
+    return ours, stock, name, nbytes, err, plan and vars(plan)
+
+
+def copies_for(nbytes: int, l2: int) -> int:
+    return max(2, min(24, -(-4 * l2 // nbytes)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", default="1,4")
+    parser.add_argument("--tokens", default="1,2,4,8,16,32,64")
+    parser.add_argument("--ops", default="", help="comma-separated op names (default: all)")
+    parser.add_argument("--sweep", action="store_true", help="also time alternative tiles")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    gen = torch.Generator("cuda").manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    bw = bandwidth()
+    peak = max(bw.values())
+    print(f"{props.name}: read {bw['read'] / 1e12:.2f} TB/s, copy {bw['copy'] / 1e12:.2f} TB/s")
+    rows = []
+    start = time.perf_counter()
+    for tp in (int(t) for t in args.tp.split(",")):
+        for op_name, (kind, n, k) in flash_shapes(tp).items():
+            if args.ops and op_name not in args.ops.split(","):
+                continue
+            for m in (int(t) for t in args.tokens.split(",")):
+                weight = n * k * {"bf16": 2, "router": 2, "fp8": 1, "mlp": 1.5}[kind]
+                copies = copies_for(int(weight), props.L2_cache_size)
+                ours, stock, stock_name, nbytes, err, tile = build(kind, n, k, m, copies, gen, None)
+                row = {
+                    "tp": tp, "op": op_name, "kind": kind, "n": n, "k": k, "m": m,
+                    "bytes": nbytes, "floor_us": nbytes / peak * 1e6,
+                    "ours_us": time_calls(ours), "max_rel_error": err,
+                    "tile": tile,
+                    "stock": stock_name if stock else None,
+                    "stock_us": time_calls(stock) if stock else None,
+                }  # fmt: skip
+                row["hbm_fraction"] = row["floor_us"] / row["ours_us"]
+                row["speedup_vs_stock"] = (
+                    row["stock_us"] / row["ours_us"] if row["stock_us"] else None
+                )
+                if args.sweep and kind != "mlp":
+                    row["sweep"] = sweep(kind, n, k, m, copies, gen, row["tile"])
+                print(
+                    f"tp{tp} {op_name:18s} m={m:2d} {nbytes / 1e6:8.1f} MB  ours "
+                    f"{row['ours_us']:8.1f} us ({row['hbm_fraction']:.0%} HBM)  stock "
+                    + (f"{row['stock_us']:8.1f} us" if row["stock_us"] else "    n/a")
+                    + f"  err {err:.1e}",
+                    flush=True,
+                )
+                rows.append(row)
+                del ours, stock
+                torch.cuda.empty_cache()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    result = {
+        "benchmark": "skinny_gemm",
+        "gpu": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "date": date.today().isoformat(),
+        "commit": commit.stdout.strip() or "unknown",
+        "command": "python benchmarks/skinny_gemm.py "
+        + " ".join(f"--{k} {v}" for k, v in vars(args).items() if v not in (None, "", False)),
+        "bandwidth_tbps": {k: v / 1e12 for k, v in bw.items()},
+        "seconds": time.perf_counter() - start,
+        "rows": rows,
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def sweep(kind, n, k, m, copies, gen, chosen: dict) -> list[dict]:
+    """Alternative tiles around the plan's choice: BN, split-K factor and stages."""
+    fp8 = kind == "fp8"
+    base = Tile(**chosen)
+    k_tiles = -(-k // base.bk)
+    splits = sorted({1, max(1, base.split_k // 2), base.split_k, min(k_tiles, base.split_k * 2)})
+    variants = []
+    for bn in (64, 128) if fp8 else (32, 64, 128):
+        for split in splits:
+            for stages in (3, 4, 6):
+                variants.append(Tile(base.bm, bn, base.bk, split, 4, stages))
+    out = []
+    for t in variants:
+        if t == base:
+            continue
+        try:
+            ours = build(kind, n, k, m, copies, gen, t)[0]
+            out.append({**vars(t), "us": time_calls(ours, 7)})
+        except Exception as e:  # an infeasible tile (shared memory) is a data point too
+            out.append({**vars(t), "error": str(e).splitlines()[0][:120]})
+    return out
+
+
+if __name__ == "__main__":
+    main()

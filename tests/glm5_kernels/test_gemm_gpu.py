@@ -1,0 +1,91 @@
+"""Skinny GEMMs on the GPU at every real GLM-5.3-Flash shape (TP 1 and TP 4 ranks), every
+benchmarked token count plus off-grid ones, NaN-poisoned outputs, sentinels past the inputs;
+CUDA-graph capture after prepare() and the error for an unprepared token count."""
+
+import zlib
+
+import pytest
+import torch
+from gemm_cases import (
+    assert_linear_close,
+    assert_mlp_close,
+    bf16_inputs,
+    fp8_inputs,
+    mlp_weights,
+    poisoned,
+)
+
+from glm5_kernels.gemm import DenseMlp, Fp8Linear, Projection, Router, fp8_linear_ref, linear_ref
+from glm5_kernels.gemm.shapes import flash_shapes
+
+pytestmark = pytest.mark.gpu
+
+TOKENS = [1, 2, 3, 4, 8, 13, 16, 32, 47, 64]
+CASES = [(tp, name, *spec) for tp in (1, 4) for name, spec in flash_shapes(tp).items()]
+
+
+@pytest.mark.parametrize("tp, name, kind, n, k", CASES, ids=[f"tp{c[0]}-{c[1]}" for c in CASES])
+def test_flash_shape(tp, name, kind, n, k):
+    gen = torch.Generator("cuda").manual_seed(zlib.crc32(name.encode()) + tp)
+    m_max = max(TOKENS)
+    if kind == "mlp":
+        weights = mlp_weights(k, n // 2, "cuda", gen)
+        op = DenseMlp(*weights, swiglu_limit=10.0)
+        x = torch.randn(m_max, k, generator=gen, device="cuda").bfloat16()
+        for m in TOKENS:
+            assert_mlp_close(op(x[:m]), x[:m], weights, 10.0, False)
+        return
+    if kind == "fp8":
+        x, w, s = fp8_inputs(m_max, n, k, "cuda", gen)
+        op = Fp8Linear(w, s)
+        exact = fp8_linear_ref(x, w, s, out_dtype=torch.float64)
+        abs_product = fp8_linear_ref(x.abs(), w.float().abs().to(w.dtype), s, False, torch.float64)
+    else:
+        x, w = bf16_inputs(m_max, n, k, "cuda", gen)
+        op = Router(w) if kind == "router" else Projection(w)
+        exact = linear_ref(x, w, torch.float64)
+        abs_product = linear_ref(x.abs(), w.abs(), torch.float64)
+    for m in TOKENS:
+        y = op(x[:m].clone(), out=poisoned(m, n, op.out_dtype, "cuda"))
+        assert_linear_close(y, exact[:m], abs_product[:m], k, op.out_dtype == torch.bfloat16)
+
+
+@pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32-act-scales", "ue8m0-act-scales"])
+def test_e8m0_weight_scales(ue8m0):
+    gen = torch.Generator("cuda").manual_seed(5)
+    n, k = flash_shapes(4)["dense.down"][1:]
+    x, w, s = fp8_inputs(16, n, k, "cuda", gen, e8m0=True)
+    y = Fp8Linear(w, s, ue8m0=ue8m0)(x)
+    exact = fp8_linear_ref(x, w, s, ue8m0, torch.float64)
+    abs_product = fp8_linear_ref(x.abs(), w.float().abs().to(w.dtype), s, ue8m0, torch.float64)
+    assert_linear_close(y, exact, abs_product, k, True)
+    weights = mlp_weights(4096, 512, "cuda", gen, e8m0=True)
+    x = torch.randn(8, 4096, generator=gen, device="cuda").bfloat16()
+    assert_mlp_close(DenseMlp(*weights, 10.0, ue8m0)(x), x, weights, 10.0, ue8m0)
+
+
+def test_graph_capture_after_prepare():
+    gen = torch.Generator("cuda").manual_seed(9)
+    x, w = bf16_inputs(8, 4096, 4096, "cuda", gen)
+    weights = mlp_weights(4096, 512, "cuda", gen)
+    ops = [Projection(w), Router(w[:288].contiguous()), DenseMlp(*weights, 10.0)]
+    for op in ops:
+        op.prepare([8])
+    eager = [op(x) for op in ops]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [op(x) for op in ops]
+    for _ in range(3):  # the split-K counters must be back at zero for every replay
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(outs, eager, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_capture_refuses_unprepared_token_count():
+    w = torch.zeros(256, 256, dtype=torch.bfloat16, device="cuda")
+    op = Projection(w)
+    x = torch.zeros(5, 256, dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="M=5 was not prepared"), torch.cuda.graph(graph):
+        op(x)
