@@ -22,6 +22,7 @@ import json
 import statistics
 import subprocess
 import time
+from dataclasses import replace
 from datetime import date
 
 import torch
@@ -65,41 +66,53 @@ def time_calls(fns, iters: int = 15) -> float:
 def bandwidth() -> dict[str, float]:
     """Bytes/s: a 4 GiB read-only reduction and a 2 GiB device copy (read + write)."""
     big = torch.ones(1 << 31, dtype=torch.bfloat16, device="cuda")
-    sink = torch.empty((), dtype=torch.float32, device="cuda")
-    read = time_calls([lambda b=big: torch.sum(b, dtype=torch.float32, out=sink)] * 4)
+    read = time_calls([lambda b=big: torch.sum(b, dtype=torch.float32)] * 4)
     src = big.view(torch.uint8)[: 2 << 30]
     dst = torch.empty_like(src)
     copy = time_calls([lambda d=dst, s=src: d.copy_(s)] * 4)
     return {"read": (2 << 31) / (read * 1e-6), "copy": 2 * (2 << 30) / (copy * 1e-6)}
 
 
+# torch._scaled_mm's block-scaled (1x128 activations, 128x128 weights) scale layouts differ
+# between releases; the first candidate that runs and matches the reference is kept.
+SCALE_LAYOUTS = {
+    "a[M,K/128] outer-major, b[K/128,N/128]": lambda sx, s: (sx.T.contiguous().T, s.T),
+    "a[M,K/128] outer-major, b[N/128,K/128]": lambda sx, s: (sx.T.contiguous().T, s),
+    "a[M,K/128], b[K/128,N/128]": lambda sx, s: (sx, s.T.contiguous()),
+    "a[M,K/128], b[N/128,K/128]": lambda sx, s: (sx, s),
+    "a[M,K/128] outer-major, b[K/128,N/128] contiguous": lambda sx, s: (
+        sx.T.contiguous().T,
+        s.T.contiguous(),
+    ),
+}
+_layout: list = []
+
+
 def stock_fp8(x, w, s):
-    """torch._scaled_mm with block scales (None where this torch / GPU refuses them)."""
+    """torch._scaled_mm with block scales on pre-quantized activations (None: unsupported)."""
     xq, sx = quantize_tokens_fp8_ref(x)
-    try:
-        out = torch._scaled_mm(
-            xq, w.T, scale_a=sx.T.contiguous().T, scale_b=s.T.contiguous().T,
-            out_dtype=torch.bfloat16,
-        )  # fmt: skip
-    except (RuntimeError, NotImplementedError, TypeError) as e:
-        print(f"  torch._scaled_mm block scales unavailable: {str(e).splitlines()[0]}")
-        return None
     ref = fp8_linear_ref(x, w, s, out_dtype=torch.float64)
-    err = (out.double() - ref).norm() / ref.norm()
-    if not err < 1e-2:
-        print(f"  torch._scaled_mm block scales disagree with the reference ({err:.2e})")
-        return None
-    sa, sb = sx.T.contiguous().T, s.T.contiguous().T
-    return lambda: torch._scaled_mm(xq, w.T, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    for name, layout in [_layout[0]] if _layout else SCALE_LAYOUTS.items():
+        sa, sb = layout(sx, s)
+        try:
+            out = torch._scaled_mm(xq, w.T, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+        except (RuntimeError, NotImplementedError, TypeError):
+            continue
+        if (out.double() - ref).norm() / ref.norm() < 1e-2:
+            if not _layout:
+                print(f"  torch._scaled_mm block scales: {name}")
+                _layout.append((name, layout))
+            return lambda: torch._scaled_mm(
+                xq, w.T, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16
+            )
+    return None
 
 
 def scaled_mm(x, w, s):
     """Stock block-FP8 linear: quantize the activations, then torch._scaled_mm."""
     xq, sx = quantize_tokens_fp8_ref(x)
-    return torch._scaled_mm(
-        xq, w.T, scale_a=sx.T.contiguous().T, scale_b=s.T.contiguous().T,
-        out_dtype=torch.bfloat16,
-    )  # fmt: skip
+    sa, sb = _layout[0][1](sx, s)
+    return torch._scaled_mm(xq, w.T, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
 
 
 def build(kind, n, k, m, copies, gen, tile: Tile | None):
@@ -236,19 +249,20 @@ def main() -> None:
 
 
 def sweep(kind, n, k, m, copies, gen, chosen: dict) -> list[dict]:
-    """Alternative tiles around the plan's choice: BN, split-K factor and stages."""
-    fp8 = kind == "fp8"
+    """One field at a time around the plan's tile: BN, split-K, stages, PDL and prefetch."""
     base = Tile(**chosen)
     k_tiles = -(-k // base.bk)
-    splits = sorted({1, max(1, base.split_k // 2), base.split_k, min(k_tiles, base.split_k * 2)})
-    variants = []
-    for bn in (64, 128) if fp8 else (32, 64, 128):
-        for split in splits:
-            for stages in (3, 4, 6):
-                variants.append(Tile(base.bm, bn, base.bk, split, 4, stages))
+    options = {
+        "bn": (32, 64, 128),
+        "split_k": (1, max(1, base.split_k // 2), min(k_tiles, base.split_k * 2), 8, 16),
+        "stages": (3, 4, 5, 6),
+        "pdl": (False,),
+        "prefetch": (0, 2, 8, 16),
+    }
+    variants = {replace(base, **{f: v}) for f, vs in options.items() for v in vs} - {base}
     out = []
-    for t in variants:
-        if t == base:
+    for t in sorted(variants, key=lambda t: tuple(vars(t).values())):
+        if t.split_k > k_tiles or (t.prefetch and not t.pdl):
             continue
         try:
             ours = build(kind, n, k, m, copies, gen, t)[0]

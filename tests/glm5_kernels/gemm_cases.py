@@ -67,11 +67,17 @@ def mlp_weights(d: int, i: int, device, gen: torch.Generator, e8m0: bool = False
 
 
 def assert_mlp_close(y, x, weights, limit, ue8m0):
-    """Against vLLM's stock sequence (fp8_mlp_ref): normwise <= 5e-3, elementwise <= 2^-6 of
-    the largest output. Looser than a single GEMM: SwiGLU's exp may round the BF16 activation
-    one ulp apart, which can move an FP8 code of the down projection's input."""
+    """Against vLLM's stock sequence (fp8_mlp_ref): normwise <= 1.5e-2, elementwise <= 2^-4 of
+    the largest output.
+
+    Why looser than one GEMM: the gate_up output is BF16, and a GPU's FP8 MMA accumulates each
+    128-wide K block with ~14 mantissa bits (as DeepGEMM's does) before the FP32 promotion, so
+    ~7% of those BF16 values land one ulp from the FP64 reference's. About 1/16 of such moves
+    cross an e4m3 rounding boundary when the down projection's input is quantized, changing
+    that code by one step (<= 2^-3 relative): sqrt(0.07 / 16) * 2^-3 ~ 0.8% normwise.
+    Measured on the H200: 0.4-0.55%. A single FP8 GEMM is held to the tight bound instead."""
     ref = fp8_mlp_ref(x, *weights, limit, ue8m0).double()
     y = y.double()
     assert not torch.isnan(y).any()
-    assert (y - ref).norm() <= 5e-3 * ref.norm()
-    assert (y - ref).abs().max() <= 2.0**-6 * ref.abs().max()
+    assert (y - ref).norm() <= 1.5e-2 * ref.norm()
+    assert (y - ref).abs().max() <= 2.0**-4 * ref.abs().max()

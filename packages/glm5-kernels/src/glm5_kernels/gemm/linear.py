@@ -36,7 +36,8 @@ GROUP = 128  # FP8 block / activation group width
 @dataclass(frozen=True)
 class Tile:
     """One launch shape: BM tokens (padded), BN output columns and BK of K per CTA step,
-    split_k CTAs along K, warps and pipeline stages."""
+    split_k CTAs along K, warps, pipeline stages, programmatic dependent launch and the
+    128-byte weight lines per row each CTA prefetches into L2 before waiting on its inputs."""
 
     bm: int
     bn: int
@@ -44,34 +45,49 @@ class Tile:
     split_k: int
     warps: int = 4
     stages: int = 4
+    pdl: bool = False
+    prefetch: int = 0
 
 
-def plan(m: int, n: int, k: int, *, sms: int, fp8: bool, split_k: bool = True) -> Tile:
-    """The tile for an [m, k] x [n, k]ᵀ product on a GPU with `sms` SMs.
+def plan(
+    m: int, n: int, k: int, *, sms: int, fp8: bool, split_k: bool = True, pdl: bool = False
+) -> Tile:
+    """The tile for an [m, k] x [n, k]ᵀ product on a GPU with `sms` SMs (H200 sweep, see
+    benchmarks/results/skinny_gemm_h200.json).
 
-    Weight streaming wants every SM holding loads in flight: at least two CTAs per SM, which
-    N / BN alone gives only for wide weights (LM head, gate_up); narrower ones split K, keeping
-    >= 2 K tiles per split so each CTA still pipelines.
+    Weight streaming wants every SM's loads in flight and long enough K loops per CTA to
+    amortize the pipeline's fill: about one CTA per SM for BF16 (two for FP8, whose in-register
+    activation quantization needs more warps to hide), split K only when N alone gives fewer,
+    keeping >= 4 K tiles per split; narrow outputs (the router's 288) take 32-wide tiles. As
+    many stages as ~160 KB of shared memory holds, at most 6.
     """
     bm = max(16, 1 << (m - 1).bit_length())
-    bn, bk = (128, 128) if fp8 else (64, 128)
+    bk = 128
+    bn = 64 if fp8 or -(-n // 64) >= sms // 4 else 32
     k_tiles = -(-k // bk)
     splits = 1
     if split_k:
-        tiles = -(-n // bn)
-        splits = max(1, min(-(-2 * sms // tiles), k_tiles // 2))
+        target = (2 if fp8 else 1) * sms
+        splits = max(1, min(round(target / -(-n // bn)), k_tiles // 4))
         splits = -(-k_tiles // -(-k_tiles // splits))  # no empty splits
-    return Tile(bm, bn, bk, splits, warps=4, stages=4 if bm <= 32 else 3)
+    per_stage = bn * bk * (1 if fp8 else 2) + bm * bk * 2
+    stages = max(2, min(6, (160 << 10) // per_stage))
+    return Tile(bm, bn, bk, splits, 4, stages, pdl=pdl, prefetch=4 if pdl else 0)
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch: SM90 and newer, not under the interpreter."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: few "SMs", so small test shapes still split K
+    return 16  # the interpreter: few "SMs", so small test shapes still split K
 
 
 def _check_weight(name: str, w: Tensor, dtypes: tuple[torch.dtype, ...], problems: list[str]):
@@ -102,7 +118,7 @@ class _SkinnyGemm:
         split = range(1, max_tokens + 1) if split_k_tokens is None else set(split_k_tokens)
         sms = _sms(device)
         self.tiles = {
-            m: plan(m, n, k, sms=sms, fp8=self.fp8, split_k=m in split)
+            m: plan(m, n, k, sms=sms, fp8=self.fp8, split_k=m in split, pdl=_pdl(device))
             for m in range(1, max_tokens + 1)
         }
         # One counter per column tile at the narrowest BN any plan may use; the kernels reset
@@ -201,8 +217,8 @@ class Projection(_SkinnyGemm):
             x, self.weight, out, self._scratch(t), self._counts,
             m, self.n, self.k, x.stride(0), out.stride(0), -(-k_tiles // t.split_k),
             BM=t.bm, BN=t.bn, BK=t.bk, SPLIT_K=t.split_k, EVEN_K=self.k % t.bk == 0,
-            INTERPRETER=_interpreting(),
-            num_warps=t.warps, num_stages=t.stages,
+            INTERPRETER=_interpreting(), PDL=t.pdl, PREFETCH=t.prefetch,
+            num_warps=t.warps, num_stages=t.stages, launch_pdl=t.pdl,
         )  # fmt: skip
         return out
 
@@ -283,8 +299,8 @@ class Fp8Linear(_SkinnyGemm):
             m, self.n, self.k, x.stride(0), out.stride(0), -(-k_tiles // t.split_k), limit,
             BM=t.bm, BN=t.bn, SPLIT_K=t.split_k, UE8M0=self.ue8m0,
             SCALE_E8M0=self.scale_e8m0, SWIGLU=self.swiglu_limit is not None,
-            INTERPRETER=_interpreting(),
-            num_warps=t.warps, num_stages=t.stages,
+            INTERPRETER=_interpreting(), PDL=t.pdl, PREFETCH=t.prefetch,
+            num_warps=t.warps, num_stages=t.stages, launch_pdl=t.pdl,
         )  # fmt: skip
         return out
 
