@@ -89,28 +89,32 @@ _layout: list = []
 
 
 def stock_fp8(x, w, s):
-    """torch._scaled_mm with block scales on pre-quantized activations (None: unsupported)."""
-    xq, sx = quantize_tokens_fp8_ref(x)
+    """torch._scaled_mm with block scales on pre-quantized activations (None: unsupported).
+    Where it refuses M (too few rows), the activations are padded to 16 rows, as a stock
+    CUTLASS block-FP8 path pads them."""
     ref = fp8_linear_ref(x, w, s, out_dtype=torch.float64)
-    for name, layout in [_layout[0]] if _layout else SCALE_LAYOUTS.items():
-        sa, sb = layout(sx, s)
-        try:
-            out = torch._scaled_mm(xq, w.T, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
-        except (RuntimeError, NotImplementedError, TypeError):
-            continue
-        if (out.double() - ref).norm() / ref.norm() < 1e-2:
-            if not _layout:
-                print(f"  torch._scaled_mm block scales: {name}")
-                _layout.append((name, layout))
-            return lambda: torch._scaled_mm(
-                xq, w.T, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16
-            )
+    rows = x.shape[0]
+    for xp in (x, torch.nn.functional.pad(x, (0, 0, 0, -rows % 16))):
+        xq, sx = quantize_tokens_fp8_ref(xp)
+        for name, layout in [_layout[0]] if _layout else SCALE_LAYOUTS.items():
+            sa, sb = layout(sx, s)
+            try:
+                out = torch._scaled_mm(xq, w.T, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+            except (RuntimeError, NotImplementedError, TypeError):
+                continue
+            if (out[:rows].double() - ref).norm() / ref.norm() < 1e-2:
+                if not _layout:
+                    print(f"  torch._scaled_mm block scales: {name}")
+                    _layout.append((name, layout))
+                return lambda xq=xq, sa=sa, sb=sb: torch._scaled_mm(
+                    xq, w.T, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16
+                )
     return None
 
 
 def scaled_mm(x, w, s):
     """Stock block-FP8 linear: quantize the activations, then torch._scaled_mm."""
-    xq, sx = quantize_tokens_fp8_ref(x)
+    xq, sx = quantize_tokens_fp8_ref(torch.nn.functional.pad(x, (0, 0, 0, -x.shape[0] % 16)))
     sa, sb = _layout[0][1](sx, s)
     return torch._scaled_mm(xq, w.T, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
 
@@ -154,7 +158,7 @@ def build(kind, n, k, m, copies, gen, tile: Tile | None):
             nbytes = q13.nbytes + s13.nbytes + q2.nbytes + s2.nbytes + 2 * x.nbytes
             up, down = stock_fp8(x, q13, s13), None
             if up is not None:
-                h = up()
+                h = up()[:m]
                 a = torch.nn.functional.silu(h[:, :i].clamp(max=10.0)) * h[:, i:].clamp(-10, 10)
                 down = stock_fp8(a.bfloat16(), q2, s2)
             if down is not None:
@@ -162,7 +166,7 @@ def build(kind, n, k, m, copies, gen, tile: Tile | None):
                 def mlp(x=x, q13=q13, s13=s13, q2=q2, s2=s2, i=i):
                     h = scaled_mm(x, q13, s13)
                     g = torch.nn.functional.silu(h[:, :i].clamp(max=10.0))
-                    return scaled_mm((g * h[:, i:].clamp(-10, 10)).bfloat16(), q2, s2)
+                    return scaled_mm((g * h[:, i:].clamp(-10, 10)).bfloat16(), q2, s2)[: x.shape[0]]
 
                 stock.append(mlp)
                 name = "torch._scaled_mm x2 + torch SwiGLU / quantization ops"
@@ -256,13 +260,16 @@ def sweep(kind, n, k, m, copies, gen, chosen: dict) -> list[dict]:
         "bn": (32, 64, 128),
         "split_k": (1, max(1, base.split_k // 2), min(k_tiles, base.split_k * 2), 8, 16),
         "stages": (3, 4, 5, 6),
-        "pdl": (False,),
-        "prefetch": (0, 2, 8, 16),
+        "prefetch": (0, 2, 8),
+        "warps": (8,),
     }
-    variants = {replace(base, **{f: v}) for f, vs in options.items() for v in vs} - {base}
+    if kind == "fp8":
+        options["quantize_first"] = (not base.quantize_first,)
+    variants = {replace(base, **{f: v}) for f, vs in options.items() for v in vs}
+    variants |= {replace(base, pdl=False, prefetch=0), replace(base, bn=128, warps=8)}
     out = []
-    for t in sorted(variants, key=lambda t: tuple(vars(t).values())):
-        if t.split_k > k_tiles or (t.prefetch and not t.pdl):
+    for t in sorted(variants - {base}, key=lambda t: tuple(vars(t).values())):
+        if t.split_k > k_tiles:
             continue
         try:
             ours = build(kind, n, k, m, copies, gen, t)[0]

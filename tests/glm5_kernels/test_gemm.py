@@ -125,6 +125,7 @@ def test_fp8_linear(m, n, k, e8m0):
     gen = torch.Generator().manual_seed(m + n + k)
     x, w, s = fp8_inputs(m, n, k, "cpu", gen, e8m0)
     op = Fp8Linear(w, s, ue8m0=e8m0)
+    assert op.tiles[m].quantize_first == (m > 16)  # both activation paths run
     y = op(x, out=poisoned(m, n, torch.bfloat16, "cpu"))
     exact = fp8_linear_ref(x, w, s, e8m0, torch.float64)
     abs_product = fp8_linear_ref(x.abs(), w.float().abs().to(w.dtype), s, e8m0, torch.float64)
@@ -132,11 +133,12 @@ def test_fp8_linear(m, n, k, e8m0):
 
 
 @interpreter
+@pytest.mark.parametrize("m", [4, 20], ids=["fused", "quantize-first"])
 @pytest.mark.parametrize("e8m0", [False, True], ids=["fp32-scales", "ue8m0"])
-def test_swiglu_down_projection(e8m0):
-    """The down GEMM's fused input: clamped SwiGLU of a gate_up output, rounded to BF16."""
+def test_swiglu_down_projection(m, e8m0):
+    """The down GEMM's input: clamped SwiGLU of a gate_up output, rounded to BF16."""
     gen = torch.Generator().manual_seed(3)
-    m, n, i, limit = 4, 192, 256, 1.5
+    n, i, limit = 192, 256, 1.5
     h = (3 * torch.randn(m, 2 * i, generator=gen)).bfloat16()  # past the limit: clamps act
     _, w, s = fp8_inputs(m, n, i, "cpu", gen, e8m0)
     y = Fp8Linear(w, s, ue8m0=e8m0, swiglu_limit=limit)(h)

@@ -47,7 +47,8 @@ def test_flash_shape(tp, name, kind, n, k):
         abs_product = linear_ref(x.abs(), w.abs(), torch.float64)
     for m in TOKENS:
         y = op(x[:m].clone(), out=poisoned(m, n, op.out_dtype, "cuda"))
-        assert_linear_close(y, exact[:m], abs_product[:m], k, op.out_dtype == torch.bfloat16)
+        bf16_out = op.out_dtype == torch.bfloat16
+        assert_linear_close(y, exact[:m], abs_product[:m], k, bf16_out, fp8_mma=kind == "fp8")
 
 
 @pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32-act-scales", "ue8m0-act-scales"])
@@ -55,10 +56,17 @@ def test_e8m0_weight_scales(ue8m0):
     gen = torch.Generator("cuda").manual_seed(5)
     n, k = flash_shapes(4)["dense.down"][1:]
     x, w, s = fp8_inputs(16, n, k, "cuda", gen, e8m0=True)
-    y = Fp8Linear(w, s, ue8m0=ue8m0)(x)
+    op = Fp8Linear(w, s, ue8m0=ue8m0)
     exact = fp8_linear_ref(x, w, s, ue8m0, torch.float64)
     abs_product = fp8_linear_ref(x.abs(), w.float().abs().to(w.dtype), s, ue8m0, torch.float64)
-    assert_linear_close(y, exact, abs_product, k, True)
+    for m in (3, 16):  # activations quantized in the GEMM
+        assert not op.tiles[m].quantize_first
+        assert_linear_close(op(x[:m]), exact[:m], abs_product[:m], k, True, fp8_mma=True)
+    x = torch.cat([x, x, x])[:40]  # ... and in their own kernel first
+    assert op.tiles[40].quantize_first
+    exact = fp8_linear_ref(x, w, s, ue8m0, torch.float64)
+    abs_product = fp8_linear_ref(x.abs(), w.float().abs().to(w.dtype), s, ue8m0, torch.float64)
+    assert_linear_close(op(x), exact, abs_product, k, True, fp8_mma=True)
     weights = mlp_weights(4096, 512, "cuda", gen, e8m0=True)
     x = torch.randn(8, 4096, generator=gen, device="cuda").bfloat16()
     assert_mlp_close(DenseMlp(*weights, 10.0, ue8m0)(x), x, weights, 10.0, ue8m0)

@@ -47,6 +47,7 @@ class Tile:
     stages: int = 4
     pdl: bool = False
     prefetch: int = 0
+    quantize_first: bool = False  # FP8: quantize activations in their own kernel first
 
 
 def plan(
@@ -72,7 +73,10 @@ def plan(
         splits = -(-k_tiles // -(-k_tiles // splits))  # no empty splits
     per_stage = bn * bk * (1 if fp8 else 2) + bm * bk * 2
     stages = max(2, min(6, (160 << 10) // per_stage))
-    return Tile(bm, bn, bk, splits, 4, stages, pdl=pdl, prefetch=4 if pdl else 0)
+    # Fused quantization is redone by every column tile: past 16 tokens one pass first is cheaper.
+    return Tile(
+        bm, bn, bk, splits, 4, stages, pdl, prefetch=4 if pdl else 0, quantize_first=fp8 and m > 16
+    )
 
 
 def _interpreting() -> bool:
@@ -286,19 +290,29 @@ class Fp8Linear(_SkinnyGemm):
 
     def __call__(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         """x [M, K] BF16 (SwiGLU: [M, 2K]) -> [M, N] out_dtype (into `out` when given)."""
-        from .triton_skinny import fp8_gemm_kernel
+        from .triton_skinny import fp8_gemm_kernel, quantize_tokens_kernel
 
         m = self._check_input(x)
         t = self.tiles[m]
         out = self._output(m, out)
         k_tiles = self.k // GROUP
-        grid = (-(-self.n // t.bn), t.split_k)
         limit = self.swiglu_limit if self.swiglu_limit is not None else math.inf
-        fp8_gemm_kernel[grid](
-            x, self.weight, self.scale, out, self._scratch(t), self._counts,
+        swiglu, scales = self.swiglu_limit is not None, self.scale  # scales: a placeholder
+        if t.quantize_first:
+            xq = torch.empty(m, self.k, dtype=torch.float8_e4m3fn, device=x.device)
+            scales = torch.empty(m, k_tiles, dtype=torch.float32, device=x.device)
+            groups = 8
+            quantize_tokens_kernel[(m, -(-k_tiles // groups))](
+                x, xq, scales, m, self.k, x.stride(0), limit,
+                GROUPS=groups, UE8M0=self.ue8m0, SWIGLU=swiglu,
+                INTERPRETER=_interpreting(), PDL=t.pdl, num_warps=4, launch_pdl=t.pdl,
+            )  # fmt: skip
+            x, swiglu = xq, False
+        fp8_gemm_kernel[(-(-self.n // t.bn), t.split_k)](
+            x, scales, self.weight, self.scale, out, self._scratch(t), self._counts,
             m, self.n, self.k, x.stride(0), out.stride(0), -(-k_tiles // t.split_k), limit,
             BM=t.bm, BN=t.bn, SPLIT_K=t.split_k, UE8M0=self.ue8m0,
-            SCALE_E8M0=self.scale_e8m0, SWIGLU=self.swiglu_limit is not None,
+            SCALE_E8M0=self.scale_e8m0, SWIGLU=swiglu, X_FP8=t.quantize_first,
             INTERPRETER=_interpreting(), PDL=t.pdl, PREFETCH=t.prefetch,
             num_warps=t.warps, num_stages=t.stages, launch_pdl=t.pdl,
         )  # fmt: skip

@@ -136,25 +136,76 @@ def bf16_gemm_kernel(
     _finish(acc, out_ptr, part_ptr, count_ptr, M, N, stride_om, BM, BN, SPLIT_K, INTERPRETER)
 
 
+@triton.jit
+def _activation(x_ptrs, K, limit, SWIGLU: tl.constexpr, INTERPRETER: tl.constexpr):
+    """The FP32 activation group at x_ptrs: x, or SwiGLU(gate at x_ptrs, up K columns on),
+    rounded to BF16 as the stock sequence stores it."""
+    if SWIGLU:
+        gate = tl.minimum(tl.load(x_ptrs).to(tl.float32), limit)
+        up = tl.load(x_ptrs + K).to(tl.float32)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        return _narrow(gate * tl.sigmoid(gate) * up, tl.bfloat16, INTERPRETER).to(tl.float32)
+    return tl.load(x_ptrs).to(tl.float32)
+
+
+@triton.jit
+def _quantize_groups(x, UE8M0: tl.constexpr, INTERPRETER: tl.constexpr):
+    """x [R, 128] FP32 -> (e4m3 codes [R, 128], FP32 scales [R]), vLLM's per-token-group rule."""
+    sx = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / FP8_MAX
+    if UE8M0:  # round up to a power of two: carry any mantissa bit into the exponent
+        bits = sx.to(tl.int32, bitcast=True)
+        sx = ((bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+    xq = tl.minimum(tl.maximum(x / sx[:, None], -FP8_MAX), FP8_MAX)
+    if INTERPRETER:
+        xq = _round_nearest(xq, 3, -6)  # e4m3: subnormals below 2^-6
+    return xq.to(tl.float8e4nv), sx
+
+
+@triton.jit(do_not_specialize=["M"])
+def quantize_tokens_kernel(
+    x_ptr,  # [M, K] BF16 (SWIGLU: [M, 2K] gate_up output)
+    q_ptr,  # [M, K] float8_e4m3fn, contiguous
+    s_ptr,  # [M, K/128] FP32, contiguous
+    M, K, stride_xm, limit,
+    GROUPS: tl.constexpr,  # 128-wide groups per program
+    UE8M0: tl.constexpr, SWIGLU: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Per-token 1x128 FP8 quantization once per token, for GEMMs whose many column tiles
+    would otherwise each redo it (FP8 GEMMs at larger M)."""
+    row = tl.program_id(0)
+    groups = tl.minimum(tl.program_id(1) * GROUPS + tl.arange(0, GROUPS), K // 128 - 1)
+    cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
+    if PDL:
+        gdc_wait()
+    x = _activation(x_ptr + row * stride_xm + cols, K, limit, SWIGLU, INTERPRETER)
+    xq, sx = _quantize_groups(x, UE8M0, INTERPRETER)
+    if PDL:
+        gdc_launch_dependents()
+    # Groups past the end were clamped onto the last one: they store the same values again.
+    tl.store(q_ptr + row * K + cols, xq)
+    tl.store(s_ptr + row * (K // 128) + groups, sx)
+
+
 @triton.jit(do_not_specialize=["M"])
 def fp8_gemm_kernel(
-    x_ptr,  # [M, K] BF16 (SWIGLU: gate_up [M, 2K], gate columns then up columns)
+    x_ptr,  # [M, K] BF16 (SWIGLU: gate_up [M, 2K]; X_FP8: e4m3 codes [M, K])
+    xs_ptr,  # X_FP8: [M, K/128] FP32 activation scales, contiguous (else unused)
     w_ptr,  # [N, K] float8_e4m3fn, k-major
     ws_ptr,  # [⌈N/128⌉, K/128] FP32, or uint8 UE8M0 exponents (SCALE_E8M0)
     out_ptr,  # [M, N] BF16 or FP32
     part_ptr, count_ptr,  # split-K partials and counters, as in bf16_gemm_kernel
     M, N, K, stride_xm, stride_om, K_TILES, limit,
     BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr,
-    UE8M0: tl.constexpr, SCALE_E8M0: tl.constexpr, SWIGLU: tl.constexpr,
+    UE8M0: tl.constexpr, SCALE_E8M0: tl.constexpr, SWIGLU: tl.constexpr, X_FP8: tl.constexpr,
     INTERPRETER: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     BK: tl.constexpr = 128  # one weight scale per 128-wide K block
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
-    offs_m = tl.arange(0, BM)
+    rows_m = tl.minimum(tl.arange(0, BM), M - 1)
     offs_k = tl.arange(0, BK)
     rows_n = tl.minimum(offs_n, N - 1)
     w_ptrs = w_ptr + rows_n[:, None] * K + offs_k[None, :]
-    x_ptrs = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm + offs_k[None, :]
+    x_ptrs = x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :]
     ws_ptrs = ws_ptr + (rows_n // BK) * (K // BK)
     kt_lo = tl.program_id(1) * K_TILES
     kt_hi = tl.minimum(kt_lo + K_TILES, K // BK)
@@ -162,21 +213,12 @@ def fp8_gemm_kernel(
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     for kt in range(kt_lo, kt_hi):
         w = tl.load(w_ptrs + kt * BK)
-        if SWIGLU:
-            gate = tl.minimum(tl.load(x_ptrs + kt * BK).to(tl.float32), limit)
-            up = tl.load(x_ptrs + K + kt * BK).to(tl.float32)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            x = _narrow(gate * tl.sigmoid(gate) * up, tl.bfloat16, INTERPRETER).to(tl.float32)
+        if X_FP8:
+            xq = tl.load(x_ptrs + kt * BK)
+            sx = tl.load(xs_ptr + rows_m * (K // BK) + kt)
         else:
-            x = tl.load(x_ptrs + kt * BK).to(tl.float32)
-        sx = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / FP8_MAX
-        if UE8M0:  # round up to a power of two: carry any mantissa bit into the exponent
-            bits = sx.to(tl.int32, bitcast=True)
-            sx = ((bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
-        xq = tl.minimum(tl.maximum(x / sx[:, None], -FP8_MAX), FP8_MAX)
-        if INTERPRETER:
-            xq = _round_nearest(xq, 3, -6)  # e4m3: subnormals below 2^-6
-        xq = xq.to(tl.float8e4nv)
+            x = _activation(x_ptrs + kt * BK, K, limit, SWIGLU, INTERPRETER)
+            xq, sx = _quantize_groups(x, UE8M0, INTERPRETER)
         if SCALE_E8M0:
             e = tl.load(ws_ptrs + kt).to(tl.int32)
             sw = (e << 23).to(tl.float32, bitcast=True)
