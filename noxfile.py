@@ -15,7 +15,7 @@ nox.options.reuse_existing_virtualenvs = True
 # In dependency order: pip resolves the exact sibling pins from these paths.
 PACKAGES = ["glm5-policy", "glm5-kernels", "glm5-comm", "glm5-runtime"]
 CPU_TORCH = "torch==2.13.0"
-TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "transformers==5.17.0"]
+TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "transformers==5.17.0", "triton==3.9.0"]
 
 
 def _install(session: nox.Session, *packages: str) -> None:
