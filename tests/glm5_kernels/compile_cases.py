@@ -52,7 +52,8 @@ def fp8_cases(arch: int) -> int:
         types = {"x_ptr": "*fp8e4nv" if x_fp8 else "*bf16", "xs_ptr": "*fp32"}
         types |= {"w_ptr": "*fp8e4nv", "ws_ptr": "*u8" if e8m0 else "*fp32"}
         types |= {"out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "limit": "fp32"}
-        constexprs = {"BM": 32, "BN": 64, "SPLIT_K": 3, "UE8M0": e8m0, "SCALE_E8M0": e8m0}
+        constexprs = {"BM": 32, "BN": 64, "SPLIT_K": 3, "KB": 2, "UE8M0": e8m0}
+        constexprs["SCALE_E8M0"] = e8m0
         constexprs |= {"SWIGLU": swiglu, "X_FP8": x_fp8, **COMMON}
         ptx = _compile(fp8_gemm_kernel, types | INTS, constexprs, arch, num_warps=4, num_stages=4)
         if arch == 90:

@@ -3,6 +3,7 @@ interpreter at small off-grid sizes (every split-K and SwiGLU path), tile plans,
 The real GLM-5.3-Flash shapes run on the GPU (test_gemm_gpu.py)."""
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -116,16 +117,24 @@ def test_router_is_fp32_and_splits():
     assert_linear_close(y, exact, linear_ref(x.abs(), w.abs(), torch.float64), 1024, False)
 
 
+def _quantize_in_gemm(op, m):
+    """Switch token count m to the fused path: activations quantized inside the GEMM."""
+    op.tiles[m] = replace(op.tiles[m], quantize_first=False)
+
+
 @interpreter
 @pytest.mark.parametrize(
-    "m, n, k", [(1, 100, 256), (6, 300, 1024), (40, 130, 512)], ids=lambda v: str(v)
+    "m, n, k", [(1, 100, 256), (6, 300, 1024), (40, 130, 384)], ids=lambda v: str(v)
 )
+@pytest.mark.parametrize("fused", [False, True], ids=["quantize-first", "fused-quant"])
 @pytest.mark.parametrize("e8m0", [False, True], ids=["fp32-scales", "ue8m0"])
-def test_fp8_linear(m, n, k, e8m0):
+def test_fp8_linear(m, n, k, fused, e8m0):
     gen = torch.Generator().manual_seed(m + n + k)
     x, w, s = fp8_inputs(m, n, k, "cpu", gen, e8m0)
     op = Fp8Linear(w, s, ue8m0=e8m0)
-    assert op.tiles[m].quantize_first == (m > 16)  # both activation paths run
+    assert op.tiles[m].blocks == (2 if k % 256 == 0 else 1)  # both K step widths run
+    if fused:
+        _quantize_in_gemm(op, m)
     y = op(x, out=poisoned(m, n, torch.bfloat16, "cpu"))
     exact = fp8_linear_ref(x, w, s, e8m0, torch.float64)
     abs_product = fp8_linear_ref(x.abs(), w.float().abs().to(w.dtype), s, e8m0, torch.float64)
@@ -133,15 +142,18 @@ def test_fp8_linear(m, n, k, e8m0):
 
 
 @interpreter
-@pytest.mark.parametrize("m", [4, 20], ids=["fused", "quantize-first"])
+@pytest.mark.parametrize("fused", [False, True], ids=["quantize-first", "fused-quant"])
 @pytest.mark.parametrize("e8m0", [False, True], ids=["fp32-scales", "ue8m0"])
-def test_swiglu_down_projection(m, e8m0):
+def test_swiglu_down_projection(fused, e8m0):
     """The down GEMM's input: clamped SwiGLU of a gate_up output, rounded to BF16."""
     gen = torch.Generator().manual_seed(3)
-    n, i, limit = 192, 256, 1.5
+    m, n, i, limit = 5, 192, 256, 1.5
     h = (3 * torch.randn(m, 2 * i, generator=gen)).bfloat16()  # past the limit: clamps act
     _, w, s = fp8_inputs(m, n, i, "cpu", gen, e8m0)
-    y = Fp8Linear(w, s, ue8m0=e8m0, swiglu_limit=limit)(h)
+    op = Fp8Linear(w, s, ue8m0=e8m0, swiglu_limit=limit)
+    if fused:
+        _quantize_in_gemm(op, m)
+    y = op(h)
     a = swiglu_ref(h, limit).bfloat16()
     exact = fp8_linear_ref(a, w, s, e8m0, torch.float64)
     ref = exact.bfloat16().double()
@@ -176,6 +188,8 @@ def test_plan_covers_k_without_empty_splits(m, n, k, sms, fp8):
     assert t.bm >= m and t.bm in (16, 32, 64)
     k_tiles = -(-k // t.bk)
     per_split = -(-k_tiles // t.split_k)
+    per_split += -per_split % t.blocks  # as Fp8Linear launches it
+    assert k_tiles % t.blocks == 0 and per_split % t.blocks == 0
     assert 1 <= t.split_k <= max(1, k_tiles // 4) and per_split * t.split_k >= k_tiles
     assert (t.split_k - 1) * per_split < k_tiles  # the last split holds work
     assert plan(m, n, k, sms=sms, fp8=fp8, split_k=False).split_k == 1

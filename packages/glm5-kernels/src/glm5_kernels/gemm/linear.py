@@ -48,35 +48,41 @@ class Tile:
     pdl: bool = False
     prefetch: int = 0
     quantize_first: bool = False  # FP8: quantize activations in their own kernel first
+    blocks: int = 1  # FP8: 128-wide K blocks per pipelined step (divides each split's blocks)
 
 
 def plan(
     m: int, n: int, k: int, *, sms: int, fp8: bool, split_k: bool = True, pdl: bool = False
 ) -> Tile:
-    """The tile for an [m, k] x [n, k]ᵀ product on a GPU with `sms` SMs (H200 sweep, see
-    benchmarks/results/skinny_gemm_h200.json).
+    """The tile for an [m, k] x [n, k]ᵀ product on a GPU with `sms` SMs (from the H200 sweeps
+    of benchmarks/skinny_gemm.py --sweep; numbers in the glm5-kernels README).
 
-    Weight streaming wants every SM's loads in flight and long enough K loops per CTA to
-    amortize the pipeline's fill: about one CTA per SM for BF16 (two for FP8, whose in-register
-    activation quantization needs more warps to hide), split K only when N alone gives fewer,
-    keeping >= 4 K tiles per split; narrow outputs (the router's 288) take 32-wide tiles. As
-    many stages as ~160 KB of shared memory holds, at most 6.
+    Weight streaming wants every SM's loads in flight and K loops long enough per CTA to
+    amortize the pipeline's fill: about one CTA per SM (two for FP8 up to 16 tokens), split K
+    only when N alone gives fewer, keeping >= 4 K tiles per split; narrow outputs (the
+    router's 288) take 32-wide tiles. As many stages as ~160 KB of shared memory holds, up to
+    6. FP8 activations are quantized in their own small kernel first (every column tile
+    would redo it otherwise; with PDL the extra launch costs less than that, at every M) and
+    FP8 steps take two 128-wide K blocks where the split allows.
     """
     bm = max(16, 1 << (m - 1).bit_length())
     bk = 128
     bn = 64 if fp8 or -(-n // 64) >= sms // 4 else 32
     k_tiles = -(-k // bk)
+    blocks = 2 if fp8 and k_tiles % 2 == 0 else 1
     splits = 1
     if split_k:
-        target = (2 if fp8 else 1) * sms
+        target = (2 if fp8 and m <= 16 else 1) * sms
         splits = max(1, min(round(target / -(-n // bn)), k_tiles // 4))
-        splits = -(-k_tiles // -(-k_tiles // splits))  # no empty splits
+        per_split = -(-k_tiles // splits)
+        per_split += -per_split % blocks
+        splits = -(-k_tiles // per_split)  # no empty splits
     per_stage = bn * bk * (1 if fp8 else 2) + bm * bk * 2
     stages = max(2, min(6, (160 << 10) // per_stage))
-    # Fused quantization is redone by every column tile: past 16 tokens one pass first is cheaper.
     return Tile(
-        bm, bn, bk, splits, 4, stages, pdl, prefetch=4 if pdl else 0, quantize_first=fp8 and m > 16
-    )
+        bm, bn, bk, splits, 4, stages, pdl, prefetch=2 if pdl else 0, quantize_first=fp8,
+        blocks=blocks,
+    )  # fmt: skip
 
 
 def _interpreting() -> bool:
@@ -308,10 +314,12 @@ class Fp8Linear(_SkinnyGemm):
                 INTERPRETER=_interpreting(), PDL=t.pdl, num_warps=4, launch_pdl=t.pdl,
             )  # fmt: skip
             x, swiglu = xq, False
+        per_split = -(-k_tiles // t.split_k)
+        per_split += -per_split % t.blocks
         fp8_gemm_kernel[(-(-self.n // t.bn), t.split_k)](
             x, scales, self.weight, self.scale, out, self._scratch(t), self._counts,
-            m, self.n, self.k, x.stride(0), out.stride(0), -(-k_tiles // t.split_k), limit,
-            BM=t.bm, BN=t.bn, SPLIT_K=t.split_k, UE8M0=self.ue8m0,
+            m, self.n, self.k, x.stride(0), out.stride(0), per_split, limit,
+            BM=t.bm, BN=t.bn, SPLIT_K=t.split_k, KB=t.blocks, UE8M0=self.ue8m0,
             SCALE_E8M0=self.scale_e8m0, SWIGLU=swiglu, X_FP8=t.quantize_first,
             INTERPRETER=_interpreting(), PDL=t.pdl, PREFETCH=t.prefetch,
             num_warps=t.warps, num_stages=t.stages, launch_pdl=t.pdl,

@@ -195,7 +195,7 @@ def fp8_gemm_kernel(
     out_ptr,  # [M, N] BF16 or FP32
     part_ptr, count_ptr,  # split-K partials and counters, as in bf16_gemm_kernel
     M, N, K, stride_xm, stride_om, K_TILES, limit,
-    BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, KB: tl.constexpr,
     UE8M0: tl.constexpr, SCALE_E8M0: tl.constexpr, SWIGLU: tl.constexpr, X_FP8: tl.constexpr,
     INTERPRETER: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
@@ -211,20 +211,24 @@ def fp8_gemm_kernel(
     kt_hi = tl.minimum(kt_lo + K_TILES, K // BK)
     _await_inputs(w_ptr + rows_n * K, kt_lo * BK, K, 128, PDL, PREFETCH)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
-    for kt in range(kt_lo, kt_hi):
-        w = tl.load(w_ptrs + kt * BK)
-        if X_FP8:
-            xq = tl.load(x_ptrs + kt * BK)
-            sx = tl.load(xs_ptr + rows_m * (K // BK) + kt)
-        else:
-            x = _activation(x_ptrs + kt * BK, K, limit, SWIGLU, INTERPRETER)
-            xq, sx = _quantize_groups(x, UE8M0, INTERPRETER)
-        if SCALE_E8M0:
-            e = tl.load(ws_ptrs + kt).to(tl.int32)
-            sw = (e << 23).to(tl.float32, bitcast=True)
-        else:
-            sw = tl.load(ws_ptrs + kt)
-        acc += tl.dot(w, tl.trans(xq)) * sw[:, None] * sx[None, :]
+    # KB scale blocks per iteration (the plan keeps every split's block count a multiple of
+    # KB): an 8 KB FP8 weight tile alone is too little work per pipelined step.
+    for kb in range(kt_lo, kt_hi, KB):
+        for j in tl.static_range(KB):
+            kt = kb + j
+            w = tl.load(w_ptrs + kt * BK)
+            if X_FP8:
+                xq = tl.load(x_ptrs + kt * BK)
+                sx = tl.load(xs_ptr + rows_m * (K // BK) + kt)
+            else:
+                x = _activation(x_ptrs + kt * BK, K, limit, SWIGLU, INTERPRETER)
+                xq, sx = _quantize_groups(x, UE8M0, INTERPRETER)
+            if SCALE_E8M0:
+                e = tl.load(ws_ptrs + kt).to(tl.int32)
+                sw = (e << 23).to(tl.float32, bitcast=True)
+            else:
+                sw = tl.load(ws_ptrs + kt)
+            acc += tl.dot(w, tl.trans(xq)) * sw[:, None] * sx[None, :]
     if PDL:
         gdc_launch_dependents()
     _finish(acc, out_ptr, part_ptr, count_ptr, M, N, stride_om, BM, BN, SPLIT_K, INTERPRETER)
