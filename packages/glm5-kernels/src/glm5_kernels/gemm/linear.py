@@ -60,8 +60,8 @@ def plan(
     Weight streaming wants every SM's loads in flight and K loops long enough per CTA to
     amortize the pipeline's fill: about one CTA per SM (two for FP8 up to 16 tokens), split K
     only when N alone gives fewer, keeping >= 4 K tiles per split; narrow outputs (the
-    router's 288) take 32-wide tiles. As many stages as ~160 KB of shared memory holds, up to
-    6. FP8 activations are quantized in their own small kernel first (every column tile
+    router's 288) take 32-wide tiles. BF16: as many stages as ~160 KB of shared memory holds,
+    up to 6. FP8 activations are quantized in their own small kernel first (every column tile
     would redo it otherwise; with PDL the extra launch costs less than that, at every M) and
     FP8 steps take two 128-wide K blocks where the split allows.
     """
@@ -79,6 +79,8 @@ def plan(
         splits = -(-k_tiles // per_split)  # no empty splits
     per_stage = bn * bk * (1 if fp8 else 2) + bm * bk * 2
     stages = max(2, min(6, (160 << 10) // per_stage))
+    if fp8:  # 3 double-block steps: ~60 KB per CTA, so three CTAs share an SM (swept 3-6)
+        stages = min(stages, 6 // blocks)
     return Tile(
         bm, bn, bk, splits, 4, stages, pdl, prefetch=2 if pdl else 0, quantize_first=fp8,
         blocks=blocks,
