@@ -67,7 +67,7 @@ def plan(
     """
     bm = max(16, 1 << (m - 1).bit_length())
     bk = 128
-    bn = 64 if fp8 or -(-n // 64) >= sms // 4 else 32
+    bn = 64 if fp8 or -(-n // 64) >= sms // 8 else 32
     k_tiles = -(-k // bk)
     blocks = 2 if fp8 and k_tiles % 2 == 0 else 1
     splits = 1
