@@ -267,6 +267,11 @@ def sweep(kind, n, k, m, copies, gen, chosen: dict) -> list[dict]:
         options["quantize_first"] = (not base.quantize_first,)
     variants = {replace(base, **{f: v}) for f, vs in options.items() for v in vs}
     variants |= {replace(base, pdl=False, prefetch=0), replace(base, bn=128, warps=8)}
+    if kind == "fp8":  # K blocks per step with the stages that keep ~the same bytes in flight
+        variants |= {replace(base, blocks=1, stages=s) for s in (3, 6)}
+        variants |= {replace(base, blocks=2, stages=s) for s in (2, 4)}
+    elif k % 256 == 0:  # 512-byte row segments per step (fewer, longer DRAM bursts)
+        variants |= {replace(base, bk=256, stages=s) for s in (2, 3, 4)}
     out = []
     for t in sorted(variants - {base}, key=lambda t: tuple(vars(t).values())):
         if t.split_k > k_tiles:
