@@ -65,19 +65,14 @@ def demo(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none", default=False)
 def bench(session: nox.Session) -> None:
-    """GPU benchmarks on the machine's own CUDA torch; results land in benchmarks/results/."""
+    """GPU benchmarks on the machine's own CUDA torch; results land in benchmarks/results/.
+    `nox -s bench -- skinny_gemm` runs one of them (default: all)."""
     if shutil.which("nvidia-smi") is None:
         session.skip("no NVIDIA GPU on this machine")
     paths = ":".join(f"packages/{p}/src" for p in PACKAGES)
-    out = "benchmarks/results/reference_decode_h200.json"
-    session.run(
-        "python",
-        "benchmarks/reference_decode.py",
-        "--out",
-        out,
-        *session.posargs,
-        env={"PYTHONPATH": paths},
-    )
+    for name in session.posargs or ["reference_decode", "skinny_gemm"]:
+        out = f"benchmarks/results/{name}_h200.json"
+        session.run("python", f"benchmarks/{name}.py", "--out", out, env={"PYTHONPATH": paths})
 
 
 @nox.session(python="3.11")

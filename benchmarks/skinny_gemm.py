@@ -193,6 +193,7 @@ def main() -> None:
     parser.add_argument("--ops", default="", help="comma-separated op names (default: all)")
     parser.add_argument("--sweep", action="store_true", help="also time alternative tiles")
     parser.add_argument("--out")
+    parser.add_argument("--commit", help="the code's commit, where this tree's git lacks it")
     args = parser.parse_args()
     gen = torch.Generator("cuda").manual_seed(0)
     props = torch.cuda.get_device_properties(0)
@@ -240,9 +241,13 @@ def main() -> None:
         "sms": props.multi_processor_count,
         "torch": torch.__version__,
         "date": date.today().isoformat(),
-        "commit": commit.stdout.strip() or "unknown",
+        "commit": args.commit or commit.stdout.strip() or "unknown",
         "command": "python benchmarks/skinny_gemm.py "
-        + " ".join(f"--{k} {v}" for k, v in vars(args).items() if v not in (None, "", False)),
+        + " ".join(
+            f"--{k} {v}"
+            for k, v in vars(args).items()
+            if v not in (None, "", False) and k not in ("out", "commit")
+        ),
         "bandwidth_tbps": {k: v / 1e12 for k, v in bw.items()},
         "seconds": time.perf_counter() - start,
         "rows": rows,

@@ -41,6 +41,7 @@ STAGES: MappingProxyType[str, frozenset[str]] = MappingProxyType(
         "dsa_value_up": frozenset({"cute"}),
         "dsa_kpool": frozenset({"fused"}),
         "logits_gather": frozenset({"nvlink"}),
-        "logits_head": frozenset({"cute"}),
+        # The LM head GEMM: the seed's CuTe kernel, or glm5-kernels' skinny GEMM.
+        "logits_head": frozenset({"cute", "skinny"}),
     }
 )
