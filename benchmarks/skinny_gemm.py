@@ -194,7 +194,11 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time alternative tiles")
     parser.add_argument("--out")
     parser.add_argument("--commit", help="the code's commit, where this tree's git lacks it")
+    parser.add_argument("--table", metavar="JSON", help="print a results file as markdown")
     args = parser.parse_args()
+    if args.table:
+        print(table(args.table))
+        return
     gen = torch.Generator("cuda").manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     bw = bandwidth()
@@ -255,6 +259,31 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def table(path: str) -> str:
+    """A results JSON as the markdown table of the glm5-kernels README."""
+    with open(path) as f:
+        result = json.load(f)
+    rows = result["rows"]
+    ms = (1, 8, 16, 64)
+    out = [
+        "| TP | op | MB | µs at M = 1 / 8 / 16 / 64 | % of HBM floor | × stock |",
+        "| --- | --- | --: | --- | --- | --- |",
+    ]
+    for tp in sorted({r["tp"] for r in rows}):
+        for op in dict.fromkeys(r["op"] for r in rows if r["tp"] == tp):
+            at = {r["m"]: r for r in rows if r["tp"] == tp and r["op"] == op}
+            if not all(m in at for m in ms):
+                continue
+            us = " / ".join(f"{at[m]['ours_us']:.1f}" for m in ms)
+            hbm = " / ".join(f"{at[m]['hbm_fraction']:.0%}" for m in ms)
+            vs = " / ".join(
+                f"{at[m]['speedup_vs_stock']:.2f}" if at[m]["speedup_vs_stock"] else "n/a"
+                for m in ms
+            )
+            out.append(f"| {tp} | {op} | {at[1]['bytes'] / 1e6:.1f} | {us} | {hbm} | {vs} |")
+    return "\n".join(out)
 
 
 def sweep(kind, n, k, m, copies, gen, chosen: dict) -> list[dict]:
