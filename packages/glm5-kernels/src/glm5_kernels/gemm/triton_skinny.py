@@ -60,12 +60,16 @@ def _prefetch_l2(ptrs):
 @triton.jit
 def _await_inputs(w_rows_ptr, k_lo, K, ELEMENTS_PER_LINE: tl.constexpr,
                   PDL: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
-    """Under PDL: warm L2 with this CTA's first weight lines, then wait for the predecessor."""
+    """Under PDL: warm L2 with this CTA's first weight lines, then wait for the predecessor.
+    PDL == 2 lets the successor launch as soon as this kernel's inputs are ready (it then
+    prefetches its weights during this kernel's tail); PDL == 1 only after the main loop."""
     if PDL:
         if PREFETCH > 0:
             cols = tl.minimum(k_lo + tl.arange(0, PREFETCH) * ELEMENTS_PER_LINE, K - 1)
             _prefetch_l2(w_rows_ptr[:, None] + cols[None, :])
         gdc_wait()
+        if PDL == 2:
+            gdc_launch_dependents()
 
 
 @triton.jit
@@ -131,7 +135,7 @@ def bf16_gemm_kernel(
         if INTERPRETER:
             w, x = w.to(tl.float32), x.to(tl.float32)
         acc = tl.dot(w, tl.trans(x), acc)
-    if PDL:
+    if PDL == 1:
         gdc_launch_dependents()
     _finish(acc, out_ptr, part_ptr, count_ptr, M, N, stride_om, BM, BN, SPLIT_K, INTERPRETER)
 
@@ -229,6 +233,6 @@ def fp8_gemm_kernel(
             else:
                 sw = tl.load(ws_ptrs + kt)
             acc += tl.dot(w, tl.trans(xq)) * sw[:, None] * sx[None, :]
-    if PDL:
+    if PDL == 1:
         gdc_launch_dependents()
     _finish(acc, out_ptr, part_ptr, count_ptr, M, N, stride_om, BM, BN, SPLIT_K, INTERPRETER)
