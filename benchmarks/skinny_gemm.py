@@ -296,13 +296,11 @@ def sweep(kind, n, k, m, copies, gen, chosen: dict) -> list[dict]:
         "stages": (3, 4, 5, 6),
         "prefetch": (0, 2, 8),
         "warps": (8,),
-        "pdl": (2,),
     }
     if kind == "fp8":
         options["quantize_first"] = (not base.quantize_first,)
     variants = {replace(base, **{f: v}) for f, vs in options.items() for v in vs}
-    variants |= {replace(base, pdl=0, prefetch=0), replace(base, bn=128, warps=8)}
-    variants |= {replace(base, pdl=2, prefetch=p, stages=s) for p in (4, 16) for s in (3, 6)}
+    variants |= {replace(base, pdl=False, prefetch=0), replace(base, bn=128, warps=8)}
     if kind == "fp8":  # K blocks per step with the stages that keep ~the same bytes in flight
         variants |= {replace(base, blocks=1, stages=s) for s in (3, 6)}
         variants |= {replace(base, blocks=2, stages=s) for s in (2, 4)}

@@ -17,7 +17,7 @@ from glm5_kernels.gemm.triton_skinny import (
 # Pointers and the sizes Triton sees divisible by 16 at real shapes (it specializes on that).
 ALIGNED = {"N", "K", "stride_xm", "stride_om"}
 INTS = {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_om", "K_TILES")}
-COMMON = {"INTERPRETER": False, "PDL": 1, "PREFETCH": 4}
+COMMON = {"INTERPRETER": False, "PDL": True, "PREFETCH": 4}
 
 
 def _compile(kernel, types: dict, constexprs: dict, arch: int, **options) -> str:
@@ -38,7 +38,6 @@ def bf16_cases(arch: int) -> int:
         types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32"}
         types |= {"count_ptr": "*i32", **INTS}
         constexprs = {"BM": bm, "BN": 64, "BK": 128, "SPLIT_K": split, "EVEN_K": True, **COMMON}
-        constexprs["PDL"] = 1 if split == 1 else 2  # successor after the main loop / the wait
         ptx = _compile(bf16_gemm_kernel, types, constexprs, arch, num_warps=4, num_stages=4)
         if arch == 90:  # tensor cores, pipelined weight loads, programmatic dependent launch
             for needed in ("wgmma", "cp.async", "griddepcontrol.wait"):

@@ -45,14 +45,14 @@ class Tile:
     split_k: int
     warps: int = 4
     stages: int = 4
-    pdl: int = 0  # programmatic dependent launch: 0 off, 1 / 2 successor after main loop / wait
+    pdl: bool = False
     prefetch: int = 0
     quantize_first: bool = False  # FP8: quantize activations in their own kernel first
     blocks: int = 1  # FP8: 128-wide K blocks per pipelined step (divides each split's blocks)
 
 
 def plan(
-    m: int, n: int, k: int, *, sms: int, fp8: bool, split_k: bool = True, pdl: int = 0
+    m: int, n: int, k: int, *, sms: int, fp8: bool, split_k: bool = True, pdl: bool = False
 ) -> Tile:
     """The tile for an [m, k] x [n, k]ᵀ product on a GPU with `sms` SMs (from the H200 sweeps
     of benchmarks/skinny_gemm.py --sweep; numbers in the glm5-kernels README).
@@ -96,9 +96,9 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _pdl(device: torch.device) -> int:
+def _pdl(device: torch.device) -> bool:
     """Programmatic dependent launch: SM90 and newer, not under the interpreter."""
-    return int(device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _sms(device: torch.device) -> int:
@@ -235,7 +235,7 @@ class Projection(_SkinnyGemm):
             m, self.n, self.k, x.stride(0), out.stride(0), -(-k_tiles // t.split_k),
             BM=t.bm, BN=t.bn, BK=t.bk, SPLIT_K=t.split_k, EVEN_K=self.k % t.bk == 0,
             INTERPRETER=_interpreting(), PDL=t.pdl, PREFETCH=t.prefetch,
-            num_warps=t.warps, num_stages=t.stages, launch_pdl=bool(t.pdl),
+            num_warps=t.warps, num_stages=t.stages, launch_pdl=t.pdl,
         )  # fmt: skip
         return out
 
@@ -318,7 +318,7 @@ class Fp8Linear(_SkinnyGemm):
             quantize_tokens_kernel[(m, -(-k_tiles // groups))](
                 x, xq, scales, m, self.k, x.stride(0), limit,
                 GROUPS=groups, UE8M0=self.ue8m0, SWIGLU=swiglu,
-                INTERPRETER=_interpreting(), PDL=t.pdl, num_warps=4, launch_pdl=bool(t.pdl),
+                INTERPRETER=_interpreting(), PDL=t.pdl, num_warps=4, launch_pdl=t.pdl,
             )  # fmt: skip
             x, swiglu = xq, False
         per_split = -(-k_tiles // t.split_k)
@@ -329,7 +329,7 @@ class Fp8Linear(_SkinnyGemm):
             BM=t.bm, BN=t.bn, SPLIT_K=t.split_k, KB=t.blocks, UE8M0=self.ue8m0,
             SCALE_E8M0=self.scale_e8m0, SWIGLU=swiglu, X_FP8=t.quantize_first,
             INTERPRETER=_interpreting(), PDL=t.pdl, PREFETCH=t.prefetch,
-            num_warps=t.warps, num_stages=t.stages, launch_pdl=bool(t.pdl),
+            num_warps=t.warps, num_stages=t.stages, launch_pdl=t.pdl,
         )  # fmt: skip
         return out
 
