@@ -39,6 +39,8 @@ class ReferenceModel:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.bfloat16,
         indexer_numerics: str = "vllm",
+        ue8m0: bool = False,
+        fp8_activations: bool = False,
     ):
         if len(weights) != len(g.ranks):
             raise ValueError(f"weights: {len(weights)} shards for ranks {g.ranks}")
@@ -68,6 +70,8 @@ class ReferenceModel:
                     q=q,
                     indexer_numerics=indexer_numerics,
                 ),
+                fp8_activations=fp8_activations,
+                ue8m0=ue8m0,
             )
             for rank, w in zip(g.ranks, weights, strict=True)
         ]
@@ -97,7 +101,7 @@ class ReferenceModel:
         shards = [
             dict(random_rank(g, r, seed, device=device, ue8m0=ue8m0, dtype=dtype)) for r in g.ranks
         ]
-        return cls(g, shards, device=device, dtype=dtype, **kw)
+        return cls(g, shards, device=device, dtype=dtype, ue8m0=ue8m0, **kw)
 
     @classmethod
     def from_state_dict(
@@ -106,7 +110,7 @@ class ReferenceModel:
         shards = [
             load_rank(g, r, state_dict, device=device, ue8m0=ue8m0, dtype=dtype) for r in g.ranks
         ]
-        return cls(g, shards, device=device, dtype=dtype, **kw)
+        return cls(g, shards, device=device, dtype=dtype, ue8m0=ue8m0, **kw)
 
     # Requests.
     def add(self) -> int:
@@ -192,12 +196,14 @@ class ReferenceModel:
         *,
         verify: bool = False,
         step: Step | None = None,
+        run=None,
     ) -> Tensor:
-        """Final normalized hidden states [R, T, D] of T new tokens per request."""
+        """Final normalized hidden states [R, T, D] of T new tokens per request. `run(tokens,
+        step)` computes them (default: the stock `backbone`; a specialized decode's forward)."""
         self._check_tokens(tokens, len(requests))
         T = tokens.shape[1]
         step = step or self.step(requests, T, verify)
-        h = self.backbone(tokens, step)
+        h = (run or self.backbone)(tokens, step)
         for r in requests:
             if verify:
                 self.pending[r] = self.lengths[r]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from glm5_kernels.dsa import index_logits_fp8_ref, kpool_compress_ref, rotate_quant_fp8_ref
+from glm5_kernels.gemm import quantize_tokens_fp8_ref
 from glm5_kernels.kda import (
     gated_rms_norm_ref,
     kda_gate_ref,
@@ -52,16 +53,51 @@ class Step:
 
 
 class RankStages:
-    """One rank's weights and caches, and the stock stages over them."""
+    """One rank's weights and caches, and the stock stages over them.
 
-    def __init__(self, g: Geometry, rank: int, weights: dict[str, Tensor], caches: RankCaches):
+    `routes` (name -> op with `supports(m)`): ops that stand in for a stock linear (by its
+    weight's name), a SwiGLU MLP (by its prefix) or a router (by its gate weight) when they
+    support the row count; the specialized decode installs them for its planned steps.
+    `fp8_activations`: FP8 linears quantize their activations per token in 1x128 groups
+    first, as vLLM's block-FP8 linears do (transformers' BF16 oracle does not)."""
+
+    def __init__(
+        self,
+        g: Geometry,
+        rank: int,
+        weights: dict[str, Tensor],
+        caches: RankCaches,
+        fp8_activations: bool = False,
+        ue8m0: bool = False,
+    ):
         self.g, self.rank, self.w, self.c = g, rank, weights, caches
+        self.fp8_activations, self.ue8m0 = fp8_activations, ue8m0
+        self.routes: dict[str, object] = {}
+
+    def _routed(self, name: str, x: Tensor) -> Tensor | None:
+        """The routed op's output for x [..., K], None when no route takes these rows."""
+        op = self.routes.get(name)
+        rows = x.numel() // x.shape[-1]
+        if op is None or x.dtype != torch.bfloat16 or not op.supports(rows):
+            return None
+        y = op(x.reshape(rows, x.shape[-1]).contiguous())
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     def linear(self, x: Tensor, name: str) -> Tensor:
+        routed = self._routed(name, x)
+        if routed is not None:
+            return routed
         w = self.w[name]
-        if w.dtype == torch.float8_e4m3fn:
-            w = dequantize_fp8_block_ref(w, self.w[name + "_scale_inv"], dtype=x.dtype)
-        return F.linear(x, w)
+        if w.dtype != torch.float8_e4m3fn:
+            return F.linear(x, w)
+        scale = self.w[name + "_scale_inv"]
+        if not self.fp8_activations:
+            return F.linear(x, dequantize_fp8_block_ref(w, scale, dtype=x.dtype))
+        rows = x.reshape(-1, x.shape[-1])
+        q, sx = quantize_tokens_fp8_ref(rows, self.ue8m0)
+        xd = (q.float().view(rows.shape[0], -1, 128) * sx[..., None]).view(rows.shape)
+        y = F.linear(xd, dequantize_fp8_block_ref(w, scale))  # FP32, like the block-FP8 GEMM
+        return y.to(x.dtype).view(*x.shape[:-1], -1)
 
     # Embedding and head: vocab-parallel rows.
     def embed(self, ids: Tensor) -> Tensor:
@@ -263,6 +299,9 @@ class RankStages:
         return self._swiglu_mlp(f"layers.{layer}.mlp", x)
 
     def _swiglu_mlp(self, prefix: str, x: Tensor) -> Tensor:
+        routed = self._routed(prefix, x)
+        if routed is not None:
+            return routed
         gate_up = torch.cat(
             [
                 self.linear(x, f"{prefix}.gate_proj.weight"),
@@ -277,7 +316,9 @@ class RankStages:
         g, m = self.g, f"layers.{layer}.mlp"
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        logits = F.linear(flat.float(), self.w[f"{m}.gate.weight"].float())
+        logits = self._routed(f"{m}.gate.weight", flat)
+        if logits is None:
+            logits = F.linear(flat.float(), self.w[f"{m}.gate.weight"].float())
         weights, ids = route_ref(
             logits,
             self.w[f"{m}.gate.e_score_correction_bias"],

@@ -1,0 +1,212 @@
+"""The specialized decode over a backbone: one routing decision per step (`plan`), then
+every layer's stages in one loop, captured once per token count in a FULL CUDA graph.
+
+Stages come from the policy per stage and token count. The ones built today are
+glm5-kernels' skinny GEMMs: `dsa_proj` (MLA / indexer projections), `kda_proj` (KDA q/k/v),
+`router`, `shared_expert`, `dense_mlp` and `logits_head`. They stand in for the backbone's
+stock ops through its routes while a planned step of a token count they serve runs, so the
+layer loop reads like the model's and every op without a stage is the backbone's own. A
+stage that cannot be built logs one warning and its ops stay stock. No fused boundary
+exists yet (glm5-comm), so every sublayer output is reduced (`partial` is False).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from glm5_kernels.gemm import DenseMlp, Projection, Router, SharedExpert
+from glm5_policy import DecodeConfig, Policy
+
+from .plan import Plan, Step, StepContext, plan
+from .protocol import Backbone
+
+__all__ = ["LayerStages", "SpecializedDecode"]
+
+logger = logging.getLogger("glm5_runtime")
+
+DSA_PROJECTIONS = ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "o_proj", "indexer.wq_b")
+KDA_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+
+
+class LayerStages:
+    """The stages of a set of layers (the backbone's, or the MTP draft's) per token count."""
+
+    def __init__(self, backbone: Backbone, policy: Policy, batches: Sequence[int], layers):
+        self.backbone, self.policy = backbone, policy
+        self.batches = sorted(batches)
+        self.layers = list(layers)
+        # token count -> [(shard, stock op name, stage op)], installed while a step runs.
+        self.routes: dict[int, list[tuple[int, str, Any]]] = {b: [] for b in self.batches}
+        self.ops: list[tuple[Any, list[int]]] = []  # (op, its token counts) to prepare
+        self._build("dsa_proj", self._projections("mla", DSA_PROJECTIONS))
+        self._build("kda_proj", self._projections("kda", KDA_PROJECTIONS))
+        self._build("router", self._routers)
+        self._build("shared_expert", self._mlps("moe", "mlp.shared_experts", SharedExpert))
+        self._build("dense_mlp", self._mlps("dense", "mlp", DenseMlp))
+
+    def _build(self, stage: str, build: Callable[[list[int]], None]) -> None:
+        """Build one stage for the token counts the policy gives it; on failure, one warning
+        and the stage's ops stay stock."""
+        tokens = [b for b in self.batches if self.policy(stage, b)]
+        if not tokens:
+            return
+        routes, ops = {b: list(r) for b, r in self.routes.items()}, list(self.ops)
+        try:
+            build(tokens)
+        except Exception as e:  # any kernel build problem: the stock op is always right
+            self.routes, self.ops = routes, ops
+            error = f"{type(e).__name__}: {e}"
+            logger.warning("Specialized decode: stage %s runs stock (%s)", stage, error)
+
+    def _add(self, op: Any, tokens: list[int], shard: int, name: str) -> None:
+        self.ops.append((op, tokens))
+        for b in tokens:
+            self.routes[b].append((shard, name, op))
+
+    def _projections(self, kind: str, names: Sequence[str]):
+        def build(tokens: list[int]) -> None:
+            for layer in (x for x in self.layers if x.attention == kind):
+                for shard in self.backbone.shards:
+                    for n in names:
+                        name = f"layers.{layer.index}.self_attn.{n}.weight"
+                        w = self.backbone.weight(shard, name)
+                        if w is not None:
+                            self._add(Projection(w, tokens), tokens, shard, name)
+
+        return build
+
+    def _routers(self, tokens: list[int]) -> None:
+        for layer in (x for x in self.layers if x.mlp == "moe"):
+            for shard in self.backbone.shards:
+                name = f"layers.{layer.index}.mlp.gate.weight"
+                self._add(Router(self.backbone.weight(shard, name)), tokens, shard, name)
+
+    def _mlps(self, kind: str, prefix: str, cls):
+        def build(tokens: list[int]) -> None:
+            for layer in (x for x in self.layers if x.mlp == kind):
+                for shard in self.backbone.shards:
+                    p = f"layers.{layer.index}.{prefix}"
+                    weight = self.backbone.weight
+                    w = {n: weight(shard, f"{p}.{n}_proj.weight") for n in ("gate", "up", "down")}
+                    s = {n: weight(shard, f"{p}.{n}_proj.weight_scale_inv") for n in w}
+                    if any(t is None for t in (*w.values(), *s.values())):
+                        raise ValueError(f"{p}: FP8 weights with block scales expected")
+                    # The checkpoint keeps gate and up apart; the kernel reads them as one
+                    # [2I, D] weight (vLLM's merged gate_up_proj), so the reference copies.
+                    op = cls(
+                        torch.cat([w["gate"], w["up"]]), torch.cat([s["gate"], s["up"]]),
+                        w["down"], s["down"], self.backbone.swiglu_limit, self.backbone.ue8m0,
+                    )  # fmt: skip
+                    self._add(op, tokens, shard, p)
+
+        return build
+
+    def prepare(self) -> None:
+        """Compile every stage op for its token counts (before any CUDA-graph capture)."""
+        for op, tokens in self.ops:
+            op.prepare(tokens)
+
+    @contextmanager
+    def installed(self, tokens: int) -> Iterator[None]:
+        """The stage ops serving `tokens`-token steps stand in for their stock ops."""
+        routes = self.routes.get(tokens, [])
+        for shard, name, op in routes:
+            self.backbone.route(shard, name, op)
+        try:
+            yield
+        finally:
+            for shard, name, _ in routes:
+                self.backbone.route(shard, name, None)
+
+    def partial(self, tokens: int) -> bool:
+        """Whether sublayers leave their outputs TP-partial for a fused boundary (none yet)."""
+        return False
+
+    def attention(self, layer, x: Tensor, placement: Any) -> Tensor:
+        """The layer's reduced attention output (projections routed per the policy)."""
+        b = self.backbone
+        return b.reduce([b.attention(s, layer.index, x, placement) for s in b.shards])
+
+    def mlp(self, layer, x: Tensor) -> Tensor:
+        """The layer's reduced MLP output (dense MLP / router / shared expert routed)."""
+        b = self.backbone
+        return b.reduce([b.mlp(s, layer.index, x) for s in b.shards])
+
+
+class SpecializedDecode(LayerStages):
+    """Built once over a backbone whose weights are loaded; reads it, never modifies it."""
+
+    def __init__(self, backbone: Backbone, config: DecodeConfig):
+        self.q = config.q
+        super().__init__(backbone, config.policy, config.planned_tokens, backbone.layers)
+        self.head: dict[int, list[Projection]] = {}
+        head_tokens = [b for b in self.batches if self.policy("logits_head", b) == "skinny"]
+        if head_tokens:
+            try:
+                heads = [
+                    Projection(backbone.weight(s, "lm_head.weight"), head_tokens)
+                    for s in backbone.shards
+                ]
+            except Exception as e:
+                logger.warning("Specialized decode: stage logits_head runs stock (%s)", e)
+            else:
+                self.ops += [(h, head_tokens) for h in heads]
+                self.head = {b: heads for b in head_tokens}
+
+    def plan(self, placement: Any, capturing: bool, graph: str = "FULL") -> Plan:
+        """This step's plan (`plan.step`), or the reason the stock forward runs."""
+        b = self.backbone
+        context = StepContext(
+            b.tokens(placement), capturing, graph, aux_layers=tuple(b.aux_layers),
+            rows=b.rows(placement),
+        )  # fmt: skip
+        return plan(context, self.batches, self.q)
+
+    def run(self, step: Step, tokens: Tensor, placement: Any) -> Tensor:
+        """Final normalized hidden states [R, T, D] of a planned step."""
+        b = self.backbone
+        with self.installed(step.tokens):
+            x = b.embed(tokens)
+            shape = x.shape
+            streams = b.expand(x.reshape(-1, shape[-1]))
+            for layer in self.layers:
+                h, post, comb = b.pre(layer.index, "attn", streams)
+                a = self.attention(layer, h.view(shape), placement)
+                streams = b.post(a.reshape(-1, shape[-1]), streams, post, comb)
+                h, post, comb = b.pre(layer.index, "ffn", streams)
+                m = self.mlp(layer, h.view(shape))
+                streams = b.post(m.reshape(-1, shape[-1]), streams, post, comb)
+            return b.final_norm(streams).view(shape)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        placement: Any,
+        stock: Callable[[Tensor, Any], Tensor],
+        *,
+        capturing: bool | None = None,
+    ) -> Tensor:
+        """The step: planned when `plan` says so, else `stock(tokens, placement)`.
+        `capturing` defaults to whether a CUDA-graph capture is under way."""
+        if capturing is None:
+            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        decision = self.plan(placement, capturing)
+        if decision.step is None:
+            return stock(tokens, placement)
+        return self.run(decision.step, tokens, placement)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """[..., vocab] FP32 logits: the skinny LM head where the policy picks it."""
+        b = self.backbone
+        rows = hidden.numel() // hidden.shape[-1]
+        heads = self.head.get(rows)
+        if heads is None or hidden.dtype != torch.bfloat16:
+            return b.gather([b.head(s, hidden) for s in b.shards])
+        x = hidden.reshape(rows, -1).contiguous()
+        return b.gather([h(x).float() for h in heads]).view(*hidden.shape[:-1], -1)

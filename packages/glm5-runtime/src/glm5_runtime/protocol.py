@@ -1,0 +1,96 @@
+"""The backbone protocol (seam 1): what the specialized decode needs from a GLM-5.3-Flash
+backbone. Two implementations: the reference backbone (`glm5_runtime.reference.backbone`)
+and glm5-vllm's adapter over vLLM's modules.
+
+Tensor parallelism: a process computes one or more TP `shards` (vLLM: its own rank; the
+reference simulates several). Sublayer outputs are per shard and TP-partial; `reduce` is the
+all-reduce. A backbone's own step object (`placement`: cache slots, block tables, metadata)
+passes through the runtime untouched; `rows(placement)` gives the neutral row counts the
+routing decision reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor
+
+from .plan import Rows
+
+__all__ = ["Backbone", "Layer", "Route"]
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A decoder layer: its index, attention kind ("kda" | "mla") and MLP kind
+    ("dense" | "moe")."""
+
+    index: int
+    attention: str
+    mlp: str
+
+
+class Route(Protocol):
+    """A specialized op standing in for a stock one: [M, K] -> [M, N], for M it supports."""
+
+    def supports(self, m: int) -> bool: ...
+
+    def __call__(self, x: Tensor) -> Tensor: ...
+
+
+@runtime_checkable
+class Backbone(Protocol):
+    layers: Sequence[Layer]
+    shards: Sequence[int]
+    hidden_size: int
+    swiglu_limit: float
+    ue8m0: bool  # FP8 activation scales rounded to powers of two (DeepGEMM's E8M0 mode)
+    aux_layers: tuple[int, ...]  # layers whose hidden states a drafter collects
+
+    def weight(self, shard: int, name: str) -> Tensor | None:
+        """Shard `shard`'s tensor of HF name `name` (FP8 weights: `<name>_scale_inv`
+        beside), None when the checkpoint has none."""
+
+    def tokens(self, placement: Any) -> int:
+        """The step's token rows (requests x tokens per request)."""
+
+    def rows(self, placement: Any) -> Mapping[str, Rows]:
+        """Each layer's step metadata as row counts."""
+
+    # Stock operations.
+    def embed(self, tokens: Tensor) -> Tensor:
+        """[R, T] token ids -> [R, T, D] reduced embeddings."""
+
+    def expand(self, x: Tensor) -> Tensor:
+        """[N, D] -> mHC residual streams [N, hc, D]."""
+
+    def pre(self, layer: int, site: str, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """mHC pre of sublayer `site` ("attn" | "ffn") and its input norm:
+        (normed input [N, D], post, comb)."""
+
+    def post(self, x: Tensor, streams: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+        """mHC post of a reduced sublayer output x [N, D] into the streams."""
+
+    def final_norm(self, streams: Tensor) -> Tensor:
+        """The streams' head and the final norm: [N, D]."""
+
+    def attention(self, shard: int, layer: int, x: Tensor, placement: Any) -> Tensor:
+        """Shard's TP-partial attention output, x [R, T, D]."""
+
+    def mlp(self, shard: int, layer: int, x: Tensor) -> Tensor:
+        """Shard's TP-partial MLP output (dense or MoE), x [R, T, D]."""
+
+    def reduce(self, partials: Sequence[Tensor]) -> Tensor:
+        """The TP all-reduce of the shards' partial outputs."""
+
+    def head(self, shard: int, x: Tensor) -> Tensor:
+        """Shard's vocab slice of the logits, FP32."""
+
+    def gather(self, slices: Sequence[Tensor]) -> Tensor:
+        """The logits all-gather."""
+
+    def route(self, shard: int, name: str, op: Route | Callable | None) -> None:
+        """Run `op` for the stock op `name` of shard `shard` (None: stock again). Names are
+        the HF weight of a linear, an MLP's prefix, or a router's weight."""

@@ -1,0 +1,118 @@
+"""The reference backbone through the backbone protocol: `ReferenceBackbone(model)` presents
+a ReferenceModel's layers, weights and stock stages to the specialized decode. Its
+`placement` is the model's `Step`; the stock forward is `model.backbone`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from glm5_kernels.mhc import hc_expand_ref, hc_head_ref, hc_post_ref
+from glm5_kernels.norm import rms_norm_ref
+
+from ..plan import Rows
+from ..protocol import Layer
+from .model import ReferenceModel
+from .stages import Step, reduce
+
+__all__ = ["ReferenceBackbone"]
+
+
+class ReferenceBackbone:
+    """Implements `glm5_runtime.protocol.Backbone` over a ReferenceModel (its held ranks are
+    the shards)."""
+
+    aux_layers: tuple[int, ...] = ()
+
+    def __init__(self, model: ReferenceModel):
+        g = model.g
+        self.model, self.g = model, g
+        self.layers = [
+            Layer(i, "mla" if g.is_mla(i) else "kda", "dense" if t == "dense" else "moe")
+            for i, t in enumerate(g.mlp_layer_types)
+        ]
+        self.shards = list(range(len(model.ranks)))
+        self.hidden_size, self.swiglu_limit = g.hidden_size, g.swiglu_limit
+        self.ue8m0 = model.ranks[0].ue8m0
+        self._topk: Tensor | None = None  # the last full indexer layer's selection this step
+
+    def weight(self, shard: int, name: str) -> Tensor | None:
+        return self.model.ranks[shard].w.get(name)
+
+    def tokens(self, placement: Step) -> int:
+        return placement.positions.numel()
+
+    def rows(self, placement: Step) -> Mapping[str, Rows]:
+        """vLLM's metadata for this step, as row counts: a decode (T = 1) or, with
+        keep_states, a uniform verify of T tokens per request; T > 1 without it is a prefill."""
+        requests, tokens = placement.positions.shape
+        n = requests * tokens
+        if tokens == 1:
+            kda = Rows(decodes=n, decode_tokens=n, spec_decodes=0, spec_decode_tokens=0)
+            mla = Rows(decodes=n, decode_tokens=n)
+        elif placement.keep_states:
+            kda = Rows(spec_decodes=requests, spec_decode_tokens=n, spec_state_rows=requests)
+            mla = Rows(decodes=requests, decode_tokens=n)
+        else:
+            kda = Rows(prefills=requests, prefill_tokens=n, spec_decodes=0, spec_decode_tokens=0)
+            mla = Rows(prefills=requests, prefill_tokens=n)
+        out: dict[str, Rows] = {}
+        for layer in self.layers:
+            p = f"layers.{layer.index}.self_attn"
+            if layer.attention == "kda":
+                out[p] = kda
+            else:
+                out[p] = mla
+                out[f"{p}.indexer"] = Rows(**{**vars(mla), "indexer": True})
+        return out
+
+    # Stock operations.
+    def embed(self, tokens: Tensor) -> Tensor:
+        return reduce([rank.embed(tokens) for rank in self.model.ranks])
+
+    def expand(self, x: Tensor) -> Tensor:
+        return hc_expand_ref(x, self.g.hc_mult)
+
+    def pre(self, layer: int, site: str, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        p = f"layers.{layer}"
+        norm = "input_layernorm" if site == "attn" else "post_attention_layernorm"
+        return self.model._pre(streams, f"{p}.{site}_hc", f"{p}.{norm}.weight")
+
+    def post(self, x: Tensor, streams: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+        return hc_post_ref(x, streams, post, comb)
+
+    def final_norm(self, streams: Tensor) -> Tensor:
+        return rms_norm_ref(hc_head_ref(streams), self.model._w("norm.weight"), self.g.rms_norm_eps)
+
+    def attention(self, shard: int, layer: int, x: Tensor, placement: Step) -> Tensor:
+        rank = self.model.ranks[shard]
+        if not self.g.is_mla(layer):
+            return rank.kda(layer, x, placement)
+        shared = self._topk if self.g.indexer_types[layer] == "shared" else None
+        out, topk = rank.mla(layer, x, placement, shared)
+        if shard == self.shards[0]:
+            self._topk = topk
+        return out
+
+    def mlp(self, shard: int, layer: int, x: Tensor) -> Tensor:
+        rank = self.model.ranks[shard]
+        dense = self.g.mlp_layer_types[layer] == "dense"
+        return (rank.dense_mlp if dense else rank.moe)(layer, x)
+
+    def reduce(self, partials: Sequence[Tensor]) -> Tensor:
+        return reduce(list(partials))
+
+    def head(self, shard: int, x: Tensor) -> Tensor:
+        return self.model.ranks[shard].head(x)
+
+    def gather(self, slices: Sequence[Tensor]) -> Tensor:
+        return torch.cat(list(slices), dim=-1)
+
+    def route(self, shard: int, name: str, op) -> None:
+        routes = self.model.ranks[shard].routes
+        if op is None:
+            routes.pop(name, None)
+        else:
+            routes[name] = op
