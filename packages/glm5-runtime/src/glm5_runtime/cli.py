@@ -25,9 +25,16 @@ class StageTimer:
     def __init__(self, model: ReferenceModel):
         self.totals: dict[str, float] = defaultdict(float)
         self.cuda = model.device.type == "cuda"
+        self.ranks = model.ranks
         for rank in model.ranks:
             for name in STAGES:
                 setattr(rank, name, self._wrap(name, getattr(rank, name)))
+
+    def restore(self) -> None:
+        """Unwrap the stages (a CUDA-graph capture must not synchronize)."""
+        for rank in self.ranks:
+            for name in STAGES:
+                delattr(rank, name)
 
     def _wrap(self, name, fn):
         def timed(*args, **kwargs):
@@ -137,9 +144,41 @@ def main(argv=None) -> None:
     )
     d.add_argument("--max-context", type=int, default=512)
     d.add_argument("--seed", type=int, default=0)
+    b = sub.add_parser("bench", help="stock vs specialized decode steps on the GPU")
+    b.add_argument("--geometry", default="flash-tp4-rank")
+    b.add_argument("--tokens", default="1,8,64", help="token counts per step")
+    b.add_argument("--q", type=int, default=1, help="tokens per request (1: decode)")
+    b.add_argument("--context", type=int, default=4096)
+    b.add_argument("--iters", type=int, default=10)
+    b.add_argument("--policy", default=None, help="policy table JSON over the family default")
+    b.add_argument("--family", default="sm90", choices=["sm90", "sm100"])
+    b.add_argument("--out", help="results JSON")
+    b.add_argument("--plot", help="results PNG (needs matplotlib)")
+    b.add_argument("--commit", help="the code's commit, where the tree's git lacks it")
+    p = sub.add_parser("plot", help="plot bench results JSON files into one PNG")
+    p.add_argument("results", nargs="+")
+    p.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if args.command == "demo":
         demo(args)
+    elif args.command == "bench":
+        import json
+
+        from .bench import plot, run
+
+        result = run(args)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+        if args.plot and args.out:
+            try:
+                plot([args.out], args.plot)
+            except ImportError:
+                print("no matplotlib here: plot later with `glm5-decode plot`")
+    elif args.command == "plot":
+        from .bench import plot
+
+        plot(args.results, args.out)
 
 
 if __name__ == "__main__":
