@@ -88,7 +88,9 @@ def _step(model: ReferenceModel, tokens: int, q: int, context: int):
 
 
 def _measure(model, decode, side: str, ids, step, iters: int) -> dict:
-    """One side's step: graph-replay ms, its logits, and an eager per-stage breakdown."""
+    """One side's step: graph-replay ms and an eager per-stage breakdown. (Replays repeat
+    the step on caches it updated in place, so outputs are not compared here: equivalence is
+    tests/glm5_runtime/test_decode*.py's job.)"""
 
     def forward():
         if side == "stock":
@@ -102,7 +104,7 @@ def _measure(model, decode, side: str, ids, step, iters: int) -> dict:
         forward()  # warm-up outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            logits = forward()
+            forward()
         ms = _replay_ms(graph, iters)
         del graph
         timer = StageTimer(model)  # eager, synchronized around each stage
@@ -111,7 +113,7 @@ def _measure(model, decode, side: str, ids, step, iters: int) -> dict:
         finally:
             timer.restore()
     stages = {k: 1e3 * v for k, v in timer.totals.items()}
-    return {"ms": ms, "logits": logits.clone(), "stages_ms": stages}
+    return {"ms": ms, "stages_ms": stages}
 
 
 def run(args) -> dict:
@@ -141,7 +143,6 @@ def run(args) -> dict:
         for j, side in enumerate(("stock", "specialized")):
             _progress(2 * i + j, total, f"{b} tokens: {side}")
             results[side] = _measure(model, decode, side, ids, step, args.iters)
-        a, s = results["stock"]["logits"], results["specialized"]["logits"]
         floor_ms = floor_bytes(model, b, args.context) / bandwidth * 1e3
         row = {
             "tokens": b,
@@ -152,7 +153,6 @@ def run(args) -> dict:
             "speedup": results["stock"]["ms"] / results["specialized"]["ms"],
             "specialized_to_floor": results["specialized"]["ms"] / floor_ms,
             "stock_to_floor": results["stock"]["ms"] / floor_ms,
-            "logits_rel_diff": ((s - a).norm() / a.norm()).item(),
             "stages_ms": {k: v["stages_ms"] for k, v in results.items()},
         }
         rows.append(row)
@@ -160,7 +160,7 @@ def run(args) -> dict:
         print(
             f"{b:3d} tokens (q={q}): stock {row['stock_ms']:8.2f} ms, specialized "
             f"{row['specialized_ms']:8.2f} ms ({row['speedup']:.2f}x), floor {floor_ms:.2f} ms "
-            f"({row['specialized_to_floor']:.1f}x), logits diff {row['logits_rel_diff']:.1e}"
+            f"({row['specialized_to_floor']:.1f}x)"
         )
         torch.cuda.empty_cache()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
