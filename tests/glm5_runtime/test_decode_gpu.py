@@ -133,14 +133,14 @@ def test_graph_replays_equal_stock(q, tokens):
                 graphs[name] = Captured(fn, ids, m.step(rows, q, verify))
             m.forward(rows, ids, verify=verify, run=graphs[name])
         h_stock, h_spec = graphs["stock"].out[0], graphs["spec"].out[0]
-        assert _rel(h_spec, h_stock) < 0.1, (i, _rel(h_spec, h_stock))
-        assert _rel(graphs["spec"].out[1], graphs["stock"].out[1]) < 0.1
-        assert torch.isfinite(h_spec).all()
         assert pairs, "the captured specialized step ran no stage op"
         for kind, name, y, ref in pairs:
             err = _rel(y, ref)
             worst[kind] = max(worst[kind], err)
             assert err <= CALL_BOUND[kind], (i, kind, name, err)
+        assert torch.isfinite(h_spec).all()
+        assert _rel(h_spec, h_stock) < 0.1, (i, _rel(h_spec, h_stock))
+        assert _rel(graphs["spec"].out[1], graphs["stock"].out[1]) < 0.1
         if verify:
             n = int(torch.randint(1, q + 1, (), generator=gen, device="cuda"))
             for m in models:
