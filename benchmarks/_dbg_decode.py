@@ -14,9 +14,10 @@ decode.prepare()
 pairs = []
 decode.routes[1] = [(s, n, Shadow(op, spec.ranks[s], n, pairs)) for s, n, op in decode.routes[1]]
 gen = torch.Generator("cuda").manual_seed(1)
+prompt = torch.randint(0, g.vocab_size, (1, 9), device="cuda", generator=gen)
 for m in (stock, spec):
     m.add()
-    m.forward([0], torch.randint(0, g.vocab_size, (1, 9), device="cuda", generator=gen))
+    m.forward([0], prompt)
 print("after prefill latent rel", _rel(spec.ranks[0].c.latent[3], stock.ranks[0].c.latent[3]))
 ids = torch.randint(0, g.vocab_size, (1, 1), device="cuda", generator=gen)
 step_a, step_b = stock.step([0], 1), spec.step([0], 1)
@@ -26,5 +27,5 @@ d = decode.plan(step_b, capturing=True)
 h_b = decode.run(d.step, ids, step_b)
 print("eager spec vs stock", _rel(h_b, h_a))
 for kind, name, y, ref in pairs:
-    print(kind, name, f"{_rel(y, ref):.2e}")
+    print(kind, name, f"{_rel(y, ref):.2e}", y.isnan().any().item(), ref.isnan().any().item(), ref.norm().item(), tuple(y.shape))
 # eager stock on spec model with routes off equals stock?

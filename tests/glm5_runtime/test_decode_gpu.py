@@ -107,9 +107,10 @@ def test_graph_replays_equal_stock(q, tokens):
     ]
     gen = torch.Generator("cuda").manual_seed(tokens + q)
     rows = list(range(requests))
+    prompt = torch.randint(0, g.vocab_size, (requests, 9), device="cuda", generator=gen)
     for m in models:
         assert [m.add() for _ in rows] == rows
-        m.forward(rows, torch.randint(0, g.vocab_size, (requests, 9), device="cuda", generator=gen))
+        m.forward(rows, prompt)
 
     def stock_fn(ids, step):
         h = stock.backbone(ids, step)
