@@ -138,7 +138,8 @@ def test_graph_replays_equal_stock(q, tokens):
         for kind, name, y, ref in pairs:
             err = _rel(y, ref)
             worst[kind] = max(worst[kind], err)
-            assert err <= CALL_BOUND[kind], (i, kind, name, err)
+            nans = (y.isnan().any().item(), ref.isnan().any().item())
+            assert err <= CALL_BOUND[kind], (i, kind, name, err, "NaN in (op, stock):", nans)
         assert torch.isfinite(h_spec).all()
         assert _rel(h_spec, h_stock) < 0.1, (i, _rel(h_spec, h_stock))
         assert _rel(graphs["spec"].out[1], graphs["stock"].out[1]) < 0.1

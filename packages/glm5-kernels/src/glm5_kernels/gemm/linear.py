@@ -97,7 +97,10 @@ def _interpreting() -> bool:
 
 
 def _pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch: SM90 and newer, not under the interpreter."""
+    """Programmatic dependent launch: SM90 and newer, not under the interpreter, and not
+    with GLM5_PDL=0 in the environment."""
+    if os.environ.get("GLM5_PDL", "1") == "0":
+        return False
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
