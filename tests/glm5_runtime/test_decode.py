@@ -92,7 +92,7 @@ class Shadow:
 # Per-call bounds against the stock op on the same input: BF16 output rounding (2^-9 rms,
 # with margin) for the projections, exact-input FP32 for the router, and the FP8 MLP bound
 # derived in tests/glm5_kernels/gemm_cases.py (one-ulp BF16 moves re-quantized in FP8).
-CALL_BOUND = {"Projection": 4e-3, "Router": 1e-5, "SharedExpert": 1.5e-2, "DenseMlp": 1.5e-2}
+CALL_BOUND = {"Projection": 4e-3, "Router": 1e-5, "SharedExpert": 2.5e-2, "DenseMlp": 2.5e-2}
 
 
 def test_planned_steps_equal_stock():

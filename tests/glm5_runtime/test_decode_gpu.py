@@ -21,7 +21,7 @@ from glm5_runtime.reference.backbone import ReferenceBackbone
 
 pytestmark = pytest.mark.gpu
 
-CALL_BOUND = {"Projection": 4e-3, "Router": 1e-5, "SharedExpert": 1.5e-2, "DenseMlp": 1.5e-2}
+CALL_BOUND = {"Projection": 4e-3, "Router": 1e-5, "SharedExpert": 2.5e-2, "DenseMlp": 2.5e-2}
 ALL_STAGES = {
     "dsa_proj": "split_k", "kda_proj": "gemm", "router": "split_k", "shared_expert": "gemv",
     "dense_mlp": "gemv", "logits_head": "skinny",
