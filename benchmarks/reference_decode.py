@@ -21,6 +21,7 @@ from datetime import date
 
 import torch
 
+from glm5_runtime.bench import floor_bytes
 from glm5_runtime.reference import ReferenceModel, geometry
 
 
@@ -47,28 +48,6 @@ def hbm_bandwidth(gib: int = 4) -> float:
         dst.copy_(src)
     ms = statistics.median(time_graph(graph, 10))
     return 2 * src.numel() / (ms * 1e-3)
-
-
-def floor_bytes(model: ReferenceModel, batch: int, context: int) -> float:
-    """The least HBM traffic of one decode step on this rank: every weight but the routed
-    experts and the embedding table, the routed experts the batch is expected to hit
-    (E * (1 - (1 - k/E)^B) per MoE block), the latents and pool keys each query reads,
-    and the KDA states read and written."""
-    g = model.g
-    weights = [(n, t) for rank in model.ranks for n, t in rank.w.items()]
-    dense = sum(t.nbytes for n, t in weights if ".experts." not in n and "embed_tokens" not in n)
-    experts = sum(t.nbytes for n, t in weights if ".experts." in n)
-    e, k = g.n_routed_experts, g.num_experts_per_tok
-    hit = e * (1 - (1 - k / e) ** batch)
-    routed = experts * hit / e
-    mla = len(g.mla_layers) + len(model.mtp_layers)
-    selected = min(context + 1, g.index_topk + g.index_kpool - 1)
-    pool_bytes = model.ranks[0].c.kpool[g.mla_layers[0]][0, 0].nbytes  # one pool's key
-    pools = context // g.index_kpool
-    attention = batch * mla * (selected * g.kv_lora_rank * 2 + pools * pool_bytes)
-    heads = g.linear_num_heads // g.tp_size
-    states = batch * len(g.kda_layers) * 2 * heads * g.linear_head_dim**2 * 4
-    return dense + routed + attention + states
 
 
 def main() -> None:

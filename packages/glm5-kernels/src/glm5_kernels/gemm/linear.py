@@ -132,6 +132,10 @@ class _SkinnyGemm:
     fp8 = False
 
     def __init__(self, n: int, k: int, device: torch.device, split_k_tokens, max_tokens: int):
+        try:
+            import triton  # noqa: F401  (the kernels' backend: glm5-kernels[triton])
+        except ImportError as e:
+            raise ImportError(f"{type(self).__name__} needs Triton (glm5-kernels[triton])") from e
         if not 1 <= max_tokens <= MAX_TOKENS:
             raise ValueError(f"max_tokens={max_tokens}: must be in 1..{MAX_TOKENS}")
         self.n, self.k, self.max_tokens = n, k, max_tokens
