@@ -190,3 +190,44 @@ def test_stage_that_cannot_build_warns_once_and_runs_stock(caplog):
     assert kinds == {"Projection", "Router"}  # the BF16 stages still build
     routed = {name for _, name, _ in decode.routes[2]}
     assert not any(name.endswith((".mlp", ".shared_experts")) for name in routed)
+
+
+def test_draft_steps_equal_stock():
+    """MTP draft decodes (one token per request) and draft prefills (q per request, only
+    each request's last row past the attention) against the reference's draft_hidden."""
+    from glm5_runtime.draft import SpecializedDraft
+
+    g = _smooth()
+    stock, spec = _model(g), _model(g)
+    config = DecodeConfig.build(max_context=64, q=Q, capture_sizes=SIZES, policy=ALL_STAGES)
+    draft = SpecializedDraft(ReferenceBackbone(spec), config)
+    draft.prepare()
+    kinds = {op.__class__.__name__ for op, _ in draft.ops}
+    assert kinds == {"Projection", "Router", "SharedExpert"}
+    routed = {name for _, name, _ in draft.routes[2]}
+    assert f"layers.{g.num_hidden_layers}.eh_proj.weight" in routed
+    errors = []
+    for b, routes in draft.routes.items():
+        draft.routes[b] = [(s, n, Shadow(op, spec.ranks[s], n, errors)) for s, n, op in routes]
+    gen = torch.Generator().manual_seed(4)
+    requests = [0, 1]
+    for m in (stock, spec):
+        assert [m.add(), m.add()] == requests
+    hidden = torch.randn(2, Q, g.hidden_size, generator=gen).bfloat16()
+    for t, start in ((Q, 5), (1, 5 + Q), (1, 6 + Q)):  # a draft prefill, then two decodes
+        tokens = torch.randint(0, g.vocab_size, (2, t), generator=gen)
+        positions = start + torch.arange(t).expand(2, t)
+        ref, _ = stock.draft_hidden(tokens, hidden[:, :t], stock.place(requests, positions))
+        placement = spec.place(requests, positions)
+        decision = draft.plan(placement, capturing=True)
+        assert decision.step is not None and decision.step.q == (Q if t > 1 else 1)
+        out = draft.run(decision.step, 0, tokens, hidden[:, :t], placement)
+        ref = ref[:, -1:] if t > 1 else ref
+        assert out.shape == ref.shape
+        assert _rel(out, ref) < 5e-2, _rel(out, ref)
+    assert {name for _, name, _ in errors} == routed
+    for kind, name, err in errors:
+        assert err <= CALL_BOUND[kind], (kind, name, err)
+    # The draft's MLA wrote the same latent KV (every token of the prefill included).
+    layer = g.num_hidden_layers
+    assert _rel(spec.ranks[0].c.latent[layer], stock.ranks[0].c.latent[layer]) < 2e-2

@@ -91,6 +91,23 @@ class Backbone(Protocol):
     def gather(self, slices: Sequence[Tensor]) -> Tensor:
         """The logits all-gather."""
 
+    # The MTP draft layer(s): MLA + MoE blocks without mHC.
+    draft_layers: Sequence[Layer]
+
+    def draft_rows(self, placement: Any) -> Mapping[str, Rows]:
+        """The draft step's metadata as row counts (a draft prefill of q tokens per request
+        is filed like a uniform verify, as vLLM's FULL-graph drafter builds it)."""
+
+    def draft_input(self, k: int, tokens: Tensor, hidden: Tensor, placement: Any) -> Tensor:
+        """MTP layer k's eh_proj input [R, T, 2D]: enorm(embedding, zeroed at position 0)
+        beside hnorm(previous hidden states)."""
+
+    def linear(self, shard: int, name: str, x: Tensor) -> Tensor:
+        """Shard's stock linear of weight `name` (routes apply)."""
+
+    def norm(self, name: str, x: Tensor) -> Tensor:
+        """RMSNorm with weight `name` and the model's eps."""
+
     def route(self, shard: int, name: str, op: Route | Callable | None) -> None:
         """Run `op` for the stock op `name` of shard `shard` (None: stock again). Names are
         the HF weight of a linear, an MLP's prefix, or a router's weight."""

@@ -36,6 +36,7 @@ class ReferenceBackbone:
         self.shards = list(range(len(model.ranks)))
         self.hidden_size, self.swiglu_limit = g.hidden_size, g.swiglu_limit
         self.ue8m0 = model.ranks[0].ue8m0
+        self.draft_layers = [Layer(i, "mla", "moe") for i in model.mtp_layers]
         self._topk: Tensor | None = None  # the last full indexer layer's selection this step
 
     def weight(self, shard: int, name: str) -> Tensor | None:
@@ -68,6 +69,28 @@ class ReferenceBackbone:
                 out[f"{p}.indexer"] = Rows(**{**vars(mla), "indexer": True})
         return out
 
+    def draft_rows(self, placement: Step) -> Mapping[str, Rows]:
+        requests, tokens = placement.positions.shape
+        n = requests * tokens
+        out: dict[str, Rows] = {}
+        for layer in self.draft_layers:
+            p = f"layers.{layer.index}.self_attn"
+            out[p] = Rows(decodes=requests, decode_tokens=n)
+            out[f"{p}.indexer"] = Rows(decodes=requests, decode_tokens=n, indexer=True)
+        return out
+
+    def draft_input(self, k: int, tokens: Tensor, hidden: Tensor, placement: Step) -> Tensor:
+        p = f"layers.{self.model.mtp_layers[k]}"
+        embedded = self.embed(tokens) * (placement.positions != 0)[..., None].to(hidden.dtype)
+        e = self.norm(f"{p}.enorm.weight", embedded)
+        return torch.cat([e, self.norm(f"{p}.hnorm.weight", hidden)], dim=-1)
+
+    def linear(self, shard: int, name: str, x: Tensor) -> Tensor:
+        return self.model.ranks[shard].linear(x, name)
+
+    def norm(self, name: str, x: Tensor) -> Tensor:
+        return rms_norm_ref(x, self.model._w(name), self.g.rms_norm_eps)
+
     # Stock operations.
     def embed(self, tokens: Tensor) -> Tensor:
         return reduce([rank.embed(tokens) for rank in self.model.ranks])
@@ -88,6 +111,8 @@ class ReferenceBackbone:
 
     def attention(self, shard: int, layer: int, x: Tensor, placement: Step) -> Tensor:
         rank = self.model.ranks[shard]
+        if layer >= self.g.num_hidden_layers:  # an MTP layer: its own indexer
+            return rank.mla(layer, x, placement, None)[0]
         if not self.g.is_mla(layer):
             return rank.kda(layer, x, placement)
         shared = self._topk if self.g.indexer_types[layer] == "shared" else None
@@ -98,7 +123,7 @@ class ReferenceBackbone:
 
     def mlp(self, shard: int, layer: int, x: Tensor) -> Tensor:
         rank = self.model.ranks[shard]
-        dense = self.g.mlp_layer_types[layer] == "dense"
+        dense = layer < self.g.num_hidden_layers and self.g.mlp_layer_types[layer] == "dense"
         return (rank.dense_mlp if dense else rank.moe)(layer, x)
 
     def reduce(self, partials: Sequence[Tensor]) -> Tensor:
