@@ -13,6 +13,7 @@ ulp, so the end-to-end bound is loose by nature; the per-call checks are the tig
 
 import pytest
 import torch
+from decode_cases import ALL_STAGES, check_calls, rel, shadow
 
 from glm5_policy import DecodeConfig
 from glm5_runtime.decode import SpecializedDecode
@@ -21,11 +22,6 @@ from glm5_runtime.reference.backbone import ReferenceBackbone
 
 pytestmark = pytest.mark.gpu
 
-CALL_BOUND = {"Projection": 4e-3, "Router": 1e-5, "SharedExpert": 2.5e-2, "DenseMlp": 2.5e-2}
-ALL_STAGES = {
-    "dsa_proj": "split_k", "kda_proj": "gemm", "router": "split_k", "shared_expert": "gemv",
-    "dense_mlp": "gemv", "logits_head": "skinny",
-}  # fmt: skip
 STEPS = 64
 
 
@@ -36,36 +32,6 @@ def _geometry():
         mlp_layer_types=("dense", "dense", "sparse", "sparse"), indexer_types=("full",) * 4,
         n_routed_experts=16, num_experts_per_tok=16,
     )  # fmt: skip
-
-
-class Shadow:
-    """A route that also runs the stock op on the same input; outputs kept for checking
-    after each graph replay."""
-
-    def __init__(self, op, rank, name, pairs):
-        self.op, self.rank, self.name, self.pairs = op, rank, name, pairs
-
-    def supports(self, m):
-        return self.op.supports(m)
-
-    def __call__(self, x):
-        y = self.op(x)
-        routes, self.rank.routes = self.rank.routes, {}
-        try:
-            if self.name.endswith(".gate.weight"):
-                ref = torch.nn.functional.linear(x.float(), self.rank.w[self.name].float())
-            elif self.name.endswith(".weight"):
-                ref = self.rank.linear(x, self.name)
-            else:
-                ref = self.rank._swiglu_mlp(self.name, x)
-        finally:
-            self.rank.routes = routes
-        self.pairs.append((type(self.op).__name__, self.name, y, ref))
-        return y
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _copy_step(dst, src):
@@ -102,9 +68,7 @@ def test_graph_replays_equal_stock(q, tokens):
     decode = SpecializedDecode(ReferenceBackbone(spec), config)
     decode.prepare()
     pairs = []
-    decode.routes[tokens] = [
-        (s, n, Shadow(op, spec.ranks[s], n, pairs)) for s, n, op in decode.routes[tokens]
-    ]
+    shadow(decode, spec, pairs)
     gen = torch.Generator("cuda").manual_seed(tokens + q)
     rows = list(range(requests))
     # One held rank of TP 4 embeds only its quarter of the vocabulary (the other ranks'
@@ -129,7 +93,7 @@ def test_graph_replays_equal_stock(q, tokens):
 
     verify = q > 1
     graphs = {}
-    worst = {k: 0.0 for k in CALL_BOUND}
+    worst = {}
     for i in range(STEPS):
         ids = torch.randint(0, vocab, (requests, q), device="cuda", generator=gen)
         for name, m, fn in (("stock", stock, stock_fn), ("spec", spec, spec_fn)):
@@ -137,22 +101,17 @@ def test_graph_replays_equal_stock(q, tokens):
                 graphs[name] = Captured(fn, ids, m.step(rows, q, verify))
             m.forward(rows, ids, verify=verify, run=graphs[name])
         h_stock, h_spec = graphs["stock"].out[0], graphs["spec"].out[0]
-        assert pairs, "the captured specialized step ran no stage op"
-        for kind, name, y, ref in pairs:
-            err = _rel(y, ref)
-            worst[kind] = max(worst[kind], err)
-            nans = (y.isnan().any().item(), ref.isnan().any().item())
-            assert err <= CALL_BOUND[kind], (i, kind, name, err, "NaN in (op, stock):", nans)
+        check_calls(pairs, worst)
         assert torch.isfinite(h_spec).all()
-        assert _rel(h_spec, h_stock) < 0.1, (i, _rel(h_spec, h_stock))
-        assert _rel(graphs["spec"].out[1], graphs["stock"].out[1]) < 0.1
+        assert rel(h_spec, h_stock) < 0.1, (i, rel(h_spec, h_stock))
+        assert rel(graphs["spec"].out[1], graphs["stock"].out[1]) < 0.1
         if verify:
             n = int(torch.randint(1, q + 1, (), generator=gen, device="cuda"))
             for m in models:
                 for r in rows:
                     m.accept(r, n)
     for layer in g.kda_layers:
-        assert _rel(spec.ranks[0].c.recurrent[layer], stock.ranks[0].c.recurrent[layer]) < 0.1
+        assert rel(spec.ranks[0].c.recurrent[layer], stock.ranks[0].c.recurrent[layer]) < 0.1
     for layer in g.mla_layers:
-        assert _rel(spec.ranks[0].c.latent[layer], stock.ranks[0].c.latent[layer]) < 0.1
+        assert rel(spec.ranks[0].c.latent[layer], stock.ranks[0].c.latent[layer]) < 0.1
     print(f"q={q} tokens={tokens}: worst per-call errors {worst}")

@@ -1,0 +1,71 @@
+"""Shared by the CPU and GPU specialized-decode tests: every stage on, the per-call bounds,
+and `shadow`, which makes each stage op also run the stock op it replaces on the same input."""
+
+import torch
+
+ALL_STAGES = {
+    stage: {"1-64": choice}
+    for stage, choice in [
+        ("dsa_proj", "split_k"),
+        ("kda_proj", "gemm"),
+        ("router", "split_k"),
+        ("shared_expert", "gemv"),
+        ("dense_mlp", "gemv"),
+        ("logits_head", "skinny"),
+    ]
+}
+
+# Per-call bounds against the stock op on the same input: BF16 output rounding (2^-9 rms, with
+# margin) for the projections, exact-input FP32 for the router, and for the FP8 MLPs the bound
+# of tests/glm5_kernels/gemm_cases.py (one-ulp BF16 moves re-quantized in FP8), widened for
+# one-token calls whose 4096 outputs average fewer flips (seen 1.8e-2 on the H200).
+CALL_BOUND = {"Projection": 4e-3, "Router": 1e-5, "SharedExpert": 2.5e-2, "DenseMlp": 2.5e-2}
+
+
+def rel(a, b):
+    """Relative L2 distance of a from b, in FP64."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+class Shadow:
+    """A stage op that also runs the stock op on the same input; (kind, name, op output,
+    stock output) go to `pairs` (tensors: a CUDA-graph replay refreshes them)."""
+
+    def __init__(self, op, rank, name, pairs):
+        self.op, self.rank, self.name, self.pairs = op, rank, name, pairs
+
+    def supports(self, m):
+        return self.op.supports(m)
+
+    def __call__(self, x):
+        y = self.op(x)
+        routes, self.rank.routes = self.rank.routes, {}  # the stock op, this once
+        try:
+            if self.name.endswith(".gate.weight"):
+                ref = torch.nn.functional.linear(x.float(), self.rank.w[self.name].float())
+            elif self.name.endswith(".weight"):
+                ref = self.rank.linear(x, self.name)
+            else:
+                ref = self.rank._swiglu_mlp(self.name, x)
+        finally:
+            self.rank.routes = routes
+        self.pairs.append((type(self.op).__name__, self.name, y, ref))
+        return y
+
+
+def shadow(stages, model, pairs) -> set[str]:
+    """Wrap every route of `stages` (a LayerStages over `model`) in a Shadow; the names."""
+    for b, routes in stages.routes.items():
+        stages.routes[b] = [(s, n, Shadow(op, model.ranks[s], n, pairs)) for s, n, op in routes]
+    return {name for routes in stages.routes.values() for _, name, _ in routes}
+
+
+def check_calls(pairs, worst=None) -> None:
+    """Every recorded call within its bound; the worst error per kind into `worst`."""
+    assert pairs, "no stage op ran"
+    for kind, name, y, ref in pairs:
+        err = rel(y, ref)
+        if worst is not None:
+            worst[kind] = max(worst.get(kind, 0.0), err)
+        nans = (y.isnan().any().item(), ref.isnan().any().item())
+        assert err <= CALL_BOUND[kind], (kind, name, err, "NaN in (op, stock):", nans)
