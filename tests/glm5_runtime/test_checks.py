@@ -69,3 +69,13 @@ def test_every_reason_at_once():
     assert isinstance(e.value, ValueError)
     for r in e.value.reasons:
         assert r in str(e.value)
+
+
+def test_indexed_attention_is_the_same_layer_kind():
+    """transformers 5.20 (what vLLM 0.33 installs) names MLA+DSA layers indexed_attention."""
+    hf = geometry("tiny").to_hf()
+    renamed = [
+        "indexed_attention" if t == "deepseek_sparse_attention" else t for t in hf.layer_types
+    ]
+    hf.layer_types = renamed
+    assert unsupported(replace(GOOD, model=hf, tensor_parallel=1)) == []

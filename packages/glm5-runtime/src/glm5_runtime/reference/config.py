@@ -206,6 +206,11 @@ class Geometry:
         for name in ("layer_types", "mlp_layer_types", "indexer_types"):
             if values.get(name) is not None:
                 values[name] = tuple(values[name])
+        if values.get("layer_types"):  # transformers 5.20 (vLLM 0.33's) says indexed_attention
+            values["layer_types"] = tuple(
+                "deepseek_sparse_attention" if t == "indexed_attention" else t
+                for t in values["layer_types"]
+            )
         return cls(**values, **extra)
 
     def to_hf(self) -> Any:

@@ -1,0 +1,47 @@
+"""vLLM's per-layer attention metadata as the runtime's neutral row counts (`Rows`), and a
+step's `StepContext` from vLLM's forward context."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from glm5_runtime.plan import Rows, StepContext
+
+__all__ = ["rows_of", "step_context"]
+
+
+def rows_of(md: Any) -> Rows:
+    """One layer's metadata: GDN / KDA (speculative fields), MLA, or the DSA indexer's."""
+    from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerMetadata
+
+    spec = hasattr(md, "num_spec_decodes")
+    state = getattr(md, "spec_state_indices_tensor", None)
+    return Rows(
+        prefills=md.num_prefills,
+        prefill_tokens=getattr(md, "num_prefill_tokens", 0),
+        decodes=md.num_decodes,
+        decode_tokens=md.num_decode_tokens,
+        spec_decodes=md.num_spec_decodes if spec else None,
+        spec_decode_tokens=md.num_spec_decode_tokens if spec else None,
+        spec_state_rows=None if state is None else state.shape[0],
+        indexer=isinstance(md, DeepseekV32IndexerMetadata),
+    )
+
+
+def step_context(
+    tokens: int, pipeline_input: bool = False, aux_layers: tuple[int, ...] = ()
+) -> StepContext:
+    """The current step as the routing decision sees it (vLLM's forward context)."""
+    import torch
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if not is_forward_context_available():
+        return StepContext(tokens, capturing, "NONE", pipeline_input, aux_layers)
+    context = get_forward_context()
+    mode = context.cudagraph_runtime_mode
+    graph = {CUDAGraphMode.FULL: "FULL", CUDAGraphMode.PIECEWISE: "PIECEWISE"}.get(mode, "NONE")
+    by_layer = context.attn_metadata
+    rows = {n: rows_of(md) for n, md in by_layer.items()} if isinstance(by_layer, dict) else {}
+    return StepContext(tokens, capturing, graph, pipeline_input, aux_layers, rows)

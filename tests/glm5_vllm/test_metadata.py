@@ -1,0 +1,73 @@
+"""vLLM's real metadata objects (GDN / KDA, sparse MLA, the DSA indexer's) as the runtime's
+row counts, for decodes, uniform verifies, mixed batches and prefills, agreeing with the
+seed's is_decode."""
+
+import pytest
+import torch
+
+from glm5_runtime.plan import is_decode
+
+pytestmark = pytest.mark.vllm
+
+
+def _gdn(prefills=0, decodes=0, spec=0, q=1, prefill_tokens=0):
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    fields = {f: None for f in GDNAttentionMetadata.__dataclass_fields__}
+    fields.update(
+        num_prefills=prefills, num_prefill_tokens=prefill_tokens, num_decodes=decodes,
+        num_decode_tokens=decodes, num_spec_decodes=spec, num_spec_decode_tokens=spec * q,
+        num_actual_tokens=prefill_tokens + decodes + spec * q,
+        spec_state_indices_tensor=torch.zeros(spec, q, dtype=torch.int32) if spec else None,
+    )  # fmt: skip
+    required = {k: v for k, v in fields.items()}
+    return GDNAttentionMetadata(**required)
+
+
+def _indexer(prefills=0, prefill_tokens=0, decodes=0, decode_tokens=0):
+    from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerMetadata
+
+    fields = {f: None for f in DeepseekV32IndexerMetadata.__dataclass_fields__}
+    fields.update(num_prefills=prefills, num_prefill_tokens=prefill_tokens, num_decodes=decodes,
+                  num_decode_tokens=decode_tokens)  # fmt: skip
+    return DeepseekV32IndexerMetadata(**fields)
+
+
+def _mla(prefills=0, decodes=0, decode_tokens=0):
+    from vllm.model_executor.layers.attention.sparse_mla_attention import SparseMLACommonMetadata
+
+    fields = {f: None for f in SparseMLACommonMetadata.__dataclass_fields__}
+    fields.update(num_prefills=prefills, num_decodes=decodes, num_decode_tokens=decode_tokens)
+    return SparseMLACommonMetadata(**fields)
+
+
+def test_rows_of_each_metadata_kind():
+    from glm5_vllm.metadata import rows_of
+
+    r = rows_of(_gdn(spec=2, q=4))
+    assert (r.spec_decodes, r.spec_decode_tokens, r.spec_state_rows, r.indexer) == (2, 8, 2, False)
+    r = rows_of(_indexer(prefills=2, prefill_tokens=8))
+    assert r.indexer and r.spec_decodes is None and (r.prefills, r.prefill_tokens) == (2, 8)
+    r = rows_of(_mla(decodes=2, decode_tokens=8))
+    assert not r.indexer and r.spec_decodes is None and (r.decodes, r.decode_tokens) == (2, 8)
+
+
+@pytest.mark.parametrize(
+    "kind, layers, q, b, uniform",
+    [
+        ("decode", [_gdn(decodes=8), _mla(decodes=8, decode_tokens=8),
+                    _indexer(decodes=8, decode_tokens=8)], 1, 8, True),
+        ("verify", [_gdn(spec=2, q=4), _mla(decodes=2, decode_tokens=8),
+                    _indexer(decodes=2, decode_tokens=8)], 4, 8, True),
+        ("verify, indexer as prefills", [_gdn(spec=2, q=4), _mla(decodes=2, decode_tokens=8),
+                                         _indexer(prefills=2, prefill_tokens=8)], 4, 8, True),
+        ("mixed decode + verify", [_gdn(decodes=1, spec=1, q=4)], 4, 5, False),
+        ("prefill", [_gdn(prefills=1, prefill_tokens=8), _mla(prefills=1)], 1, 8, False),
+        ("verify with a prompt row", [_gdn(spec=1, q=4, prefills=1, prefill_tokens=4)], 4, 8,
+         False),
+    ],
+)  # fmt: skip
+def test_conversion_agrees_with_is_decode(kind, layers, q, b, uniform):
+    from glm5_vllm.metadata import rows_of
+
+    assert all(is_decode(rows_of(md), q, b) for md in layers) == uniform, kind
