@@ -143,3 +143,18 @@ def test_kda_dtypes_follow_the_mamba_cache_dtype(vllm_config):
     from glm5_vllm.config import deployment
 
     assert deployment(_good(vllm_config), H200).kda_state_dtypes == (torch.bfloat16, torch.float32)
+
+
+def test_models_fail_before_building_when_the_request_cannot_run(vllm_config):
+    """The registered classes read the configuration first: an unsupported request (this
+    CPU machine has no GPU) raises with its reasons before any module is built."""
+    from glm5_vllm import models
+
+    config = _good(vllm_config)
+    for cls in (models.Glm5NextForCausalLM, models.Glm5NextMTP):
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            cls(vllm_config=config)
+    stock = vllm_config()  # not requested: nothing of ours runs before vLLM's constructor
+    model = models.Glm5NextForCausalLM.__new__(models.Glm5NextForCausalLM)
+    model._configure(stock)
+    assert model.glm5_decode is None

@@ -71,3 +71,33 @@ def test_conversion_agrees_with_is_decode(kind, layers, q, b, uniform):
     from glm5_vllm.metadata import rows_of
 
     assert all(is_decode(rows_of(md), q, b) for md in layers) == uniform, kind
+
+
+def test_step_context_reads_vllms_forward_context(vllm_config):
+    """A FULL-graph verify under vLLM's own forward context becomes the same decision the
+    runtime's plan makes; outside any forward context the step is eager (stock)."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import create_forward_context, override_forward_context
+
+    from glm5_runtime.plan import plan
+    from glm5_vllm.metadata import step_context
+
+    layers = {
+        "model.layers.0.self_attn": _gdn(spec=2, q=4),
+        "model.layers.3.self_attn": _mla(decodes=2, decode_tokens=8),
+        "model.layers.3.self_attn.indexer": _indexer(prefills=2, prefill_tokens=8),
+    }
+    outside = step_context(8)
+    assert outside.graph == "NONE" and not outside.rows and not outside.capturing
+    context = create_forward_context(
+        layers, vllm_config(), cudagraph_runtime_mode=CUDAGraphMode.FULL
+    )
+    with override_forward_context(context):
+        inside = step_context(8)
+    assert inside.graph == "FULL" and set(inside.rows) == set(layers)
+    assert inside.rows["model.layers.0.self_attn"].spec_state_rows == 2
+    # Not capturing on this CPU machine, so the step runs stock, for that reason alone.
+    decision = plan(inside, (4, 8), q=4)
+    assert decision.step is None and "capture" in decision.reason
+    capturing = type(inside)(**{**vars(inside), "capturing": True})
+    assert plan(capturing, (4, 8), q=4).step.q == 4
