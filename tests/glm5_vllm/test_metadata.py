@@ -52,25 +52,27 @@ def test_rows_of_each_metadata_kind():
     assert not r.indexer and r.spec_decodes is None and (r.decodes, r.decode_tokens) == (2, 8)
 
 
-@pytest.mark.parametrize(
-    "kind, layers, q, b, uniform",
-    [
-        ("decode", [_gdn(decodes=8), _mla(decodes=8, decode_tokens=8),
-                    _indexer(decodes=8, decode_tokens=8)], 1, 8, True),
-        ("verify", [_gdn(spec=2, q=4), _mla(decodes=2, decode_tokens=8),
-                    _indexer(decodes=2, decode_tokens=8)], 4, 8, True),
-        ("verify, indexer as prefills", [_gdn(spec=2, q=4), _mla(decodes=2, decode_tokens=8),
-                                         _indexer(prefills=2, prefill_tokens=8)], 4, 8, True),
-        ("mixed decode + verify", [_gdn(decodes=1, spec=1, q=4)], 4, 5, False),
-        ("prefill", [_gdn(prefills=1, prefill_tokens=8), _mla(prefills=1)], 1, 8, False),
-        ("verify with a prompt row", [_gdn(spec=1, q=4, prefills=1, prefill_tokens=4)], 4, 8,
-         False),
-    ],
-)  # fmt: skip
+# (kind, metadata of each layer, q, tokens, whether the step is uniform); built lazily, so
+# collecting without vLLM (the CPU suite deselects these tests) imports nothing of it.
+CASES = [
+    ("decode", lambda: [_gdn(decodes=8), _mla(decodes=8, decode_tokens=8),
+                        _indexer(decodes=8, decode_tokens=8)], 1, 8, True),
+    ("verify", lambda: [_gdn(spec=2, q=4), _mla(decodes=2, decode_tokens=8),
+                        _indexer(decodes=2, decode_tokens=8)], 4, 8, True),
+    ("verify-indexer-as-prefills", lambda: [_gdn(spec=2, q=4), _mla(decodes=2, decode_tokens=8),
+                                            _indexer(prefills=2, prefill_tokens=8)], 4, 8, True),
+    ("mixed-decode-and-verify", lambda: [_gdn(decodes=1, spec=1, q=4)], 4, 5, False),
+    ("prefill", lambda: [_gdn(prefills=1, prefill_tokens=8), _mla(prefills=1)], 1, 8, False),
+    ("verify-with-a-prompt-row", lambda: [_gdn(spec=1, q=4, prefills=1, prefill_tokens=4)], 4,
+     8, False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind, layers, q, b, uniform", CASES, ids=[c[0] for c in CASES])
 def test_conversion_agrees_with_is_decode(kind, layers, q, b, uniform):
     from glm5_vllm.metadata import rows_of
 
-    assert all(is_decode(rows_of(md), q, b) for md in layers) == uniform, kind
+    assert all(is_decode(rows_of(md), q, b) for md in layers()) == uniform, kind
 
 
 def test_step_context_reads_vllms_forward_context(vllm_config):
