@@ -21,21 +21,9 @@ from datetime import date
 
 import torch
 
+from glm5_kernels.timing import replay_times
 from glm5_runtime.bench import floor_bytes
 from glm5_runtime.reference import ReferenceModel, geometry
-
-
-def time_graph(graph: torch.cuda.CUDAGraph, iters: int) -> list[float]:
-    """Milliseconds per replay, one CUDA event pair each."""
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
 
 
 def hbm_bandwidth(gib: int = 4) -> float:
@@ -46,7 +34,7 @@ def hbm_bandwidth(gib: int = 4) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         dst.copy_(src)
-    ms = statistics.median(time_graph(graph, 10))
+    ms = statistics.median(replay_times(graph, 10))
     return 2 * src.numel() / (ms * 1e-3)
 
 
@@ -86,8 +74,8 @@ def main() -> None:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 model.logits(model.backbone(tokens, step))
-        time_graph(graph, 2)
-        ms = time_graph(graph, args.iters)
+        replay_times(graph, 2)
+        ms = replay_times(graph, args.iters)
         row = {
             "batch": b,
             "context": args.context,

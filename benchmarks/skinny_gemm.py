@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import time
 from dataclasses import replace
@@ -39,37 +38,16 @@ from glm5_kernels.gemm import (
 )
 from glm5_kernels.gemm.shapes import flash_shapes
 from glm5_kernels.quant import quantize_fp8_block_ref
-
-
-def time_calls(fns, iters: int = 15) -> float:
-    """Median microseconds per call of `fns` run back to back in one CUDA graph."""
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(fns))
-    del graph
-    return statistics.median(times)
+from glm5_kernels.timing import graph_calls_us
 
 
 def bandwidth() -> dict[str, float]:
     """Bytes/s: a 4 GiB read-only reduction and a 2 GiB device copy (read + write)."""
     big = torch.ones(1 << 31, dtype=torch.bfloat16, device="cuda")
-    read = time_calls([lambda b=big: torch.sum(b, dtype=torch.float32)] * 4)
+    read = graph_calls_us([lambda b=big: torch.sum(b, dtype=torch.float32)] * 4)
     src = big.view(torch.uint8)[: 2 << 30]
     dst = torch.empty_like(src)
-    copy = time_calls([lambda d=dst, s=src: d.copy_(s)] * 4)
+    copy = graph_calls_us([lambda d=dst, s=src: d.copy_(s)] * 4)
     return {"read": (2 << 31) / (read * 1e-6), "copy": 2 * (2 << 30) / (copy * 1e-6)}
 
 
@@ -217,10 +195,10 @@ def main() -> None:
                 row = {
                     "tp": tp, "op": op_name, "kind": kind, "n": n, "k": k, "m": m,
                     "bytes": nbytes, "floor_us": nbytes / peak * 1e6,
-                    "ours_us": time_calls(ours), "max_rel_error": err,
+                    "ours_us": graph_calls_us(ours), "max_rel_error": err,
                     "tile": tile,
                     "stock": stock_name if stock else None,
-                    "stock_us": time_calls(stock) if stock else None,
+                    "stock_us": graph_calls_us(stock) if stock else None,
                 }  # fmt: skip
                 row["hbm_fraction"] = row["floor_us"] / row["ours_us"]
                 row["speedup_vs_stock"] = (
@@ -312,7 +290,7 @@ def sweep(kind, n, k, m, copies, gen, chosen: dict) -> list[dict]:
             continue
         try:
             ours = build(kind, n, k, m, copies, gen, t)[0]
-            out.append({**vars(t), "us": time_calls(ours, 7)})
+            out.append({**vars(t), "us": graph_calls_us(ours, 7)})
         except Exception as e:  # an infeasible tile (shared memory) is a data point too
             out.append({**vars(t), "error": str(e).splitlines()[0][:120]})
     return out

@@ -17,6 +17,7 @@ from datetime import date
 
 import torch
 
+from glm5_kernels.timing import replay_times
 from glm5_policy import DecodeConfig
 
 from .cli import StageTimer
@@ -36,15 +37,7 @@ def _progress(done: int, total: int, what: str) -> None:
 
 def _replay_ms(graph: torch.cuda.CUDAGraph, iters: int) -> float:
     graph.replay()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(replay_times(graph, iters))
 
 
 def read_bandwidth(gib: int = 4) -> float:
