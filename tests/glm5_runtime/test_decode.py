@@ -139,6 +139,29 @@ def test_stage_that_cannot_build_warns_once_and_runs_stock(caplog):
     assert not any(name.endswith((".mlp", ".shared_experts")) for name in routed)
 
 
+def test_stage_that_cannot_compile_warns_once_and_runs_stock(caplog, monkeypatch):
+    """A kernel that fails in prepare() (a compile error) takes its whole stage to stock."""
+    from glm5_kernels.gemm import Router
+
+    def broken(self, tokens):
+        raise RuntimeError("ptxas: out of registers")
+
+    model = _model(geometry("tiny", hidden_size=128, moe_intermediate_size=128))
+    config = DecodeConfig.build(max_context=64, q=Q, capture_sizes=SIZES, policy=ALL_STAGES)
+    decode = SpecializedDecode(ReferenceBackbone(model), config)
+    monkeypatch.setattr(Router, "prepare", broken)
+    with caplog.at_level(logging.WARNING, logger="glm5_runtime"):
+        assert decode.prepare() == {"router"}
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [
+        "Specialized decode: stage router runs stock (RuntimeError: ptxas: out of registers)"
+    ]
+    kinds = {op.__class__.__name__ for op, _ in decode.ops}
+    assert kinds == {"Projection", "SharedExpert", "DenseMlp"}
+    assert not any(name.endswith(".gate.weight") for _, name, _ in decode.routes[2])
+    assert decode.head  # the other stages are untouched
+
+
 def test_draft_steps_equal_stock():
     """MTP draft decodes (one token per request) and draft prefills (q per request, only
     each request's last row past the attention) against the reference's draft_hidden."""

@@ -44,19 +44,22 @@ class LayerStages:
         # token count -> [(shard, stock op name, stage op)], installed while a step runs.
         self.routes: dict[int, list[tuple[int, str, Any]]] = {b: [] for b in self.batches}
         self.ops: list[tuple[Any, list[int]]] = []  # (op, its token counts) to prepare
+        self.stage_of: dict[int, str] = {}  # id(op) -> its policy stage
         self._build("dsa_proj", self._projections("mla", DSA_PROJECTIONS))
         self._build("kda_proj", self._projections("kda", KDA_PROJECTIONS))
         self._build("router", self._routers)
         self._build("shared_expert", self._mlps("moe", "mlp.shared_experts", SharedExpert))
         self._build("dense_mlp", self._mlps("dense", "mlp", DenseMlp))
 
-    def _build(self, stage: str, build: Callable[[list[int]], None]) -> None:
-        """Build one stage for the token counts the policy gives it; on failure, one warning
-        and the stage's ops stay stock."""
-        tokens = [b for b in self.batches if self.policy(stage, b)]
+    def _build(self, stage: str, build: Callable[[list[int]], None], choice=None) -> None:
+        """Build one stage for the token counts the policy gives it (`choice`: only those
+        that pick it); on failure, one warning and the stage's ops stay stock."""
+        picked = [(b, self.policy(stage, b)) for b in self.batches]
+        tokens = [b for b, c in picked if (c == choice if choice else c)]
         if not tokens:
             return
         routes, ops = {b: list(r) for b, r in self.routes.items()}, list(self.ops)
+        self._stage = stage
         try:
             build(tokens)
         except Exception as e:  # any kernel build problem: the stock op is always right
@@ -64,10 +67,13 @@ class LayerStages:
             error = f"{type(e).__name__}: {e}"
             logger.warning("Specialized decode: stage %s runs stock (%s)", stage, error)
 
-    def _add(self, op: Any, tokens: list[int], shard: int, name: str) -> None:
+    def _add(self, op: Any, tokens: list[int], shard: int | None, name: str | None) -> None:
+        """Register a stage op (routed for `name` of `shard`, unless None)."""
         self.ops.append((op, tokens))
-        for b in tokens:
-            self.routes[b].append((shard, name, op))
+        self.stage_of[id(op)] = self._stage
+        if name is not None:
+            for b in tokens:
+                self.routes[b].append((shard, name, op))
 
     def _projections(self, kind: str, names: Sequence[str]):
         def build(tokens: list[int]) -> None:
@@ -107,10 +113,23 @@ class LayerStages:
 
         return build
 
-    def prepare(self) -> None:
-        """Compile every stage op for its token counts (before any CUDA-graph capture)."""
+    def prepare(self) -> set[str]:
+        """Compile every stage op for its token counts (before any CUDA-graph capture). A
+        stage whose kernels fail to compile warns once and runs stock; returns those stages."""
+        failed: dict[str, str] = {}
         for op, tokens in self.ops:
-            op.prepare(tokens)
+            stage = self.stage_of[id(op)]
+            if stage not in failed:
+                try:
+                    op.prepare(tokens)
+                except Exception as e:  # a compile problem: the stock op is always right
+                    failed[stage] = f"{type(e).__name__}: {e}"
+        for stage, error in failed.items():
+            logger.warning("Specialized decode: stage %s runs stock (%s)", stage, error)
+        gone = {id(op) for op, _ in self.ops if self.stage_of[id(op)] in failed}
+        self.ops = [(op, t) for op, t in self.ops if id(op) not in gone]
+        self.routes = {b: [r for r in rs if id(r[2]) not in gone] for b, rs in self.routes.items()}
+        return set(failed)
 
     @contextmanager
     def installed(self, tokens: int) -> Iterator[None]:
@@ -146,18 +165,22 @@ class SpecializedDecode(LayerStages):
         self.q = config.q
         super().__init__(backbone, config.policy, config.planned_tokens, backbone.layers)
         self.head: dict[int, list[Projection]] = {}
-        head_tokens = [b for b in self.batches if self.policy("logits_head", b) == "skinny"]
-        if head_tokens:
-            try:
-                heads = [
-                    Projection(backbone.weight(s, "lm_head.weight"), head_tokens)
-                    for s in backbone.shards
-                ]
-            except Exception as e:
-                logger.warning("Specialized decode: stage logits_head runs stock (%s)", e)
-            else:
-                self.ops += [(h, head_tokens) for h in heads]
-                self.head = {b: heads for b in head_tokens}
+
+        def heads(tokens: list[int]) -> None:
+            ops = [
+                Projection(backbone.weight(s, "lm_head.weight"), tokens) for s in backbone.shards
+            ]
+            for op in ops:
+                self._add(op, tokens, None, None)  # not a route: compute_logits calls it
+            self.head = {b: ops for b in tokens}
+
+        self._build("logits_head", heads, choice="skinny")
+
+    def prepare(self) -> set[str]:
+        failed = super().prepare()
+        if "logits_head" in failed:
+            self.head = {}
+        return failed
 
     def plan(self, placement: Any, capturing: bool, graph: str = "FULL") -> Plan:
         """This step's plan (`plan.step`), or the reason the stock forward runs."""
