@@ -28,15 +28,15 @@ Q = 2
 SIZES = [1, 2, 4]  # capture sizes: 2 and 4 are q-multiples (planned), 1 is not
 
 
-def _model(g, dtype=torch.bfloat16):
+def _model(g, dtype=torch.bfloat16, q=Q, requests=2):
     return ReferenceModel.random(
-        g, seed=5, max_requests=2, max_context=64, block_size=16, q=Q, dtype=dtype,
+        g, seed=5, max_requests=requests, max_context=64, block_size=16, q=q, dtype=dtype,
         fp8_activations=True,
     )  # fmt: skip
 
 
-def _decoder(model, policy=ALL_STAGES):
-    config = DecodeConfig.build(max_context=64, q=Q, capture_sizes=SIZES, policy=policy)
+def _decoder(model, policy=ALL_STAGES, q=Q, sizes=SIZES):
+    config = DecodeConfig.build(max_context=64, q=q, capture_sizes=sizes, policy=policy)
     decode = SpecializedDecode(ReferenceBackbone(model), config)
     decode.prepare()
     return decode
@@ -50,33 +50,36 @@ def _smooth():
     )  # fmt: skip
 
 
-def test_planned_steps_equal_stock():
+@pytest.mark.parametrize("q", [2, 5])
+def test_planned_steps_equal_stock(q):
+    """q requests: their decode steps (q tokens) and verify steps (q x q) are both planned."""
     g = _smooth()
-    stock, spec, fp32 = _model(g), _model(g), _model(g, torch.float32)
-    decode = _decoder(spec)
+    dtypes = (torch.bfloat16, torch.bfloat16, torch.float32)
+    stock, spec, fp32 = models = [_model(g, dtype, q=q, requests=q) for dtype in dtypes]
+    decode = _decoder(spec, q=q, sizes=[1, q, q * q])
     pairs = []
     routed = shadow(decode, spec, pairs)
     kinds = {op.__class__.__name__ for op, _ in decode.ops}
     assert kinds == {"Projection", "Router", "SharedExpert", "DenseMlp"}
-    assert decode.batches == [2, 4]
+    assert decode.batches == [q, q * q]
 
     def planned(tokens, step):
         decision = decode.plan(step, capturing=True)
         assert decision.step is not None, decision.reason
         return decode.run(decision.step, tokens, step)
 
-    gen = torch.Generator().manual_seed(0)
-    requests = [0, 1]
-    for m in (stock, spec, fp32):
-        assert [m.add(), m.add()] == requests
-    prompt = torch.randint(0, g.vocab_size, (2, 9), generator=gen)
+    gen = torch.Generator().manual_seed(q)
+    requests = list(range(q))
+    for m in models:
+        assert [m.add() for _ in requests] == requests
+    prompt = torch.randint(0, g.vocab_size, (q, 9), generator=gen)
     for m in (stock, spec, fp32):
         m.forward(requests, prompt)  # prefill: stock on every side
     worst, noise, calls = 0.0, 0.0, {}
     for i in range(6):
-        verify = i % 2 == 1  # decodes (2 tokens: 2 requests x 1) and verifies (2 x q)
-        t = Q if verify else 1
-        tokens = torch.randint(0, g.vocab_size, (2, t), generator=gen)
+        verify = i % 2 == 1  # decodes (q requests x 1 token) and verifies (q x q tokens)
+        t = q if verify else 1
+        tokens = torch.randint(0, g.vocab_size, (q, t), generator=gen)
         h_stock = stock.forward(requests, tokens, verify=verify)
         h_spec = spec.forward(requests, tokens, verify=verify, run=planned)
         h_fp32 = fp32.forward(requests, tokens, verify=verify)
@@ -86,7 +89,7 @@ def test_planned_steps_equal_stock():
         if verify:
             for m in (stock, spec, fp32):
                 for r in requests:
-                    m.accept(r, 1 + (i // 2) % Q)
+                    m.accept(r, 1 + (i // 2) % q)
         worst = max(worst, rel(h_spec, h_stock))
         noise = max(noise, rel(h_stock, h_fp32))
         logits = decode.compute_logits(h_spec)
