@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from glm5_policy import DecodeConfig, family_of
-from glm5_runtime.checks import Deployment
+from glm5_runtime.checks import Deployment, DeploymentError
 from glm5_runtime.checks import unsupported as runtime_unsupported
 
 __all__ = ["BACKENDS", "deployment", "specialized_decode_config", "unsupported"]
@@ -92,10 +92,7 @@ def specialized_decode_config(
         )
     reasons = unsupported(vllm_config, capability)
     if reasons:
-        raise ValueError(
-            "GLM-5.3-Flash specialized decode does not support:\n"
-            + "\n".join(f"  - {r}" for r in reasons)
-        )
+        raise DeploymentError(reasons)
     spec = vllm_config.speculative_config
     c = _capability(capability)
     return DecodeConfig.build(
