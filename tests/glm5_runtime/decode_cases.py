@@ -16,15 +16,22 @@ ALL_STAGES = {
 }
 
 # Per-call bounds against the stock op on the same input: BF16 output rounding (2^-9 rms, with
-# margin) for the projections, exact-input FP32 for the router, and for the FP8 MLPs the bound
-# of tests/glm5_kernels/gemm_cases.py (one-ulp BF16 moves re-quantized in FP8), widened for
-# one-token calls whose 4096 outputs average fewer flips (seen 1.8e-2 on the H200).
-CALL_BOUND = {"Projection": 4e-3, "Router": 1e-5, "SharedExpert": 2.5e-2, "DenseMlp": 2.5e-2}
+# margin) for the projections and exact-input FP32 for the router. The FP8 MLPs re-quantize
+# their BF16 intermediate, whose one-ulp moves flip FP8 codes; at one token (a single row of
+# codes, no averaging over rows) thousands of replays reach 2.7e-2 on the H200. Their bound is
+# 2^-4: every intermediate code half an e4m3 step off. glm5-kernels' own tests check the two
+# GEMMs apart, tightly; here a wrong weight or row (error ~1) is what must not pass.
+CALL_BOUND = {"Projection": 4e-3, "Router": 1e-5, "SharedExpert": 2**-4, "DenseMlp": 2**-4}
+
+
+def rel_tensor(a, b):
+    """Relative L2 distance of a from b, in FP64, as a 0-d tensor (no device sync)."""
+    return (a.double() - b.double()).norm() / b.double().norm()
 
 
 def rel(a, b):
     """Relative L2 distance of a from b, in FP64."""
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+    return rel_tensor(a, b).item()
 
 
 class Shadow:
@@ -63,9 +70,10 @@ def shadow(stages, model, pairs) -> set[str]:
 def check_calls(pairs, worst=None) -> None:
     """Every recorded call within its bound; the worst error per kind into `worst`."""
     assert pairs, "no stage op ran"
-    for kind, name, y, ref in pairs:
-        err = rel(y, ref)
+    errors = torch.stack([rel_tensor(y, ref) for _, _, y, ref in pairs]).tolist()  # one sync
+    for (kind, name, y, ref), err in zip(pairs, errors, strict=True):
         if worst is not None:
             worst[kind] = max(worst.get(kind, 0.0), err)
-        nans = (y.isnan().any().item(), ref.isnan().any().item())
-        assert err <= CALL_BOUND[kind], (kind, name, err, "NaN in (op, stock):", nans)
+        if not err <= CALL_BOUND[kind]:  # NaN fails too
+            nans = (y.isnan().any().item(), ref.isnan().any().item())
+            raise AssertionError((kind, name, err, "NaN in (op, stock):", nans))

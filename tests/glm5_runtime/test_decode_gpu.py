@@ -1,15 +1,26 @@
-"""The specialized decode on the GPU at GLM-5.3-Flash TP-4 rank shapes (four layers: KDA x3
-and MLA+DSA, dense and MoE MLPs), every stage on, each step captured in one CUDA graph per
-token count and replayed for 64 steps against the stock reference's graph. The MoE routes
-every token to all of 16 experts (the real 288 choose 8, which flips under any rounding and
-then moves the output O(1); the router's real shape is covered by glm5-kernels' GPU tests);
-the indexer's top-2048 already keeps every pool at these contexts.
+"""The specialized decode on the GPU at GLM-5.3-Flash TP-4 rank shapes, every stage on, each
+step captured in one FULL CUDA graph per token count (as vLLM captures them) and replayed
+64 times against the stock reference's graph of the same step:
+
+- every q in 1..8 and every capture size 1..64 that is a multiple of q, with the MTP draft
+  (draft prefill of q tokens per request, then a draft decode) on each step, over four layers
+  (KDA x3 and MLA+DSA, dense and MoE MLPs) and the MTP layer;
+- the full 45-layer depth at the smallest and largest sizes of q = 1 and q = 4.
+
+The two models share their weights (the specialized one reads them, never writes). The MoE
+routes every token to all of 16 experts (the real 288 choose 8, which flips under any
+rounding and then moves the output O(1); the router's real shape is covered by glm5-kernels'
+GPU tests); the indexer's top-2048 keeps every pool at these contexts.
 
 Checks per replay: every stage op's output against the stock op it replaced on the same input
-(the per-call bounds of test_decode.py, FP8 MMA included), and the end-to-end hidden states,
-logits, KDA states and latent KV within 0.1 relative L2 of stock (the BF16 / FP8 noise
-yardstick measured on CPU is 0.11: FP8 re-quantization flips codes once inputs differ by an
-ulp, so the end-to-end bound is loose by nature; the per-call checks are the tight ones)."""
+(the per-call bounds of decode_cases.py, FP8 MMA included), and the end-to-end hidden states,
+logits and draft hidden states within 0.1 relative L2 of stock; after each size, the KDA
+states, the latent KV and the indexer key rings of every layer within 0.1. 0.1 is the BF16 /
+FP8 noise yardstick measured on CPU (0.11): FP8 re-quantization flips codes once inputs differ
+by an ulp, so the end-to-end bound is loose by nature; the per-call checks are the tight ones,
+and a semantic slip (a missed route, a wrong weight or row) moves these by O(1)."""
+
+import math
 
 import pytest
 import torch
@@ -17,21 +28,28 @@ from decode_cases import ALL_STAGES, check_calls, rel, shadow
 
 from glm5_policy import DecodeConfig
 from glm5_runtime.decode import SpecializedDecode
+from glm5_runtime.draft import SpecializedDraft
 from glm5_runtime.reference import ReferenceModel, geometry
 from glm5_runtime.reference.backbone import ReferenceBackbone
 
 pytestmark = pytest.mark.gpu
 
 STEPS = 64
+PROMPT = 9
+BOUND = 0.1
 
 
-def _geometry():
-    return geometry(
-        "flash-tp4-rank", num_hidden_layers=4,
-        layer_types=("linear_attention",) * 3 + ("deepseek_sparse_attention",),
-        mlp_layer_types=("dense", "dense", "sparse", "sparse"), indexer_types=("full",) * 4,
-        n_routed_experts=16, num_experts_per_tok=16,
-    )  # fmt: skip
+def _geometry(full_depth=False):
+    if full_depth:
+        kw = {}
+    else:
+        kw = dict(
+            num_hidden_layers=4,
+            layer_types=("linear_attention",) * 3 + ("deepseek_sparse_attention",),
+            mlp_layer_types=("dense", "dense", "sparse", "sparse"),
+            indexer_types=("full",) * 4,
+        )
+    return geometry("flash-tp4-rank", n_routed_experts=16, num_experts_per_tok=16, **kw)
 
 
 def _copy_step(dst, src):
@@ -41,77 +59,181 @@ def _copy_step(dst, src):
 
 
 class Captured:
-    """One side's step of a fixed shape as a CUDA graph over static inputs."""
+    """One side's step of a fixed shape as a CUDA graph over static inputs; calling it with
+    (*inputs, step) replays it and returns a copy of its first output."""
 
-    def __init__(self, fn, tokens, step):
-        self.tokens, self.step = tokens.clone(), step
-        fn(self.tokens, self.step)  # warm-up
+    def __init__(self, fn, *args):
+        *inputs, self.step = args
+        self.inputs = [x.clone() for x in inputs]
+        fn(*self.inputs, self.step)  # warm-up, outside the capture: stock, as in vLLM
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.out = fn(self.tokens, self.step)
+            self.out = fn(*self.inputs, self.step)
 
-    def __call__(self, tokens, step):
-        self.tokens.copy_(tokens)
+    def __call__(self, *args):
+        *inputs, step = args
+        for dst, src in zip(self.inputs, inputs, strict=True):
+            dst.copy_(src)
         _copy_step(self.step, step)
         self.graph.replay()
         return self.out[0].clone()
 
 
-@pytest.mark.parametrize("q, tokens", [(1, 1), (1, 8), (1, 64), (4, 4), (4, 8), (4, 64)])
-def test_graph_replays_equal_stock(q, tokens):
-    g = _geometry()
-    requests = tokens // q
-    kw = dict(device="cuda", max_requests=requests, max_context=320, block_size=64, q=q)
-    models = [ReferenceModel.random(g, seed=1, fp8_activations=True, **kw) for _ in range(2)]
-    stock, spec = models
-    config = DecodeConfig.build(max_context=320, q=q, capture_sizes=[tokens], policy=ALL_STAGES)
-    decode = SpecializedDecode(ReferenceBackbone(spec), config)
-    decode.prepare()
-    pairs = []
-    shadow(decode, spec, pairs)
-    gen = torch.Generator("cuda").manual_seed(tokens + q)
-    rows = list(range(requests))
-    # One held rank of TP 4 embeds only its quarter of the vocabulary (the other ranks'
-    # rows would arrive through the all-reduce): ids from it keep every hidden state live.
-    vocab = g.vocab_size // g.tp_size
-    prompt = torch.randint(0, vocab, (requests, 9), device="cuda", generator=gen)
-    for m in models:
-        assert [m.add() for _ in rows] == rows
-        m.forward(rows, prompt)
+class Sides:
+    """The stock and specialized models (shared weights), their decode and draft."""
 
-    def stock_fn(ids, step):
-        h = stock.backbone(ids, step)
-        return h, stock.logits(h)
+    def __init__(self, g, q, sizes, max_requests, with_draft):
+        self.g, self.q = g, q
+        self.max_context = 64 * math.ceil((PROMPT + (STEPS + 2) * q) / 64)
+        kw = dict(
+            device="cuda", max_requests=max_requests, max_context=self.max_context,
+            block_size=64, q=q, fp8_activations=True,
+        )  # fmt: skip
+        self.stock = ReferenceModel.random(g, seed=1, **kw)
+        self.spec = ReferenceModel(g, [rank.w for rank in self.stock.ranks], **kw)
+        config = DecodeConfig.build(
+            max_context=self.max_context, q=q, capture_sizes=sizes, policy=ALL_STAGES
+        )
+        backbone = ReferenceBackbone(self.spec)
+        self.decode = SpecializedDecode(backbone, config)
+        assert self.decode.batches == [b for b in sizes if b % q == 0]
+        assert self.decode.prepare() == set()
+        self.pairs, self.draft_pairs = [], []
+        shadow(self.decode, self.spec, self.pairs)
+        self.draft = None
+        if with_draft:
+            self.draft = SpecializedDraft(backbone, config)
+            assert self.draft.prepare() == set()
+            shadow(self.draft, self.spec, self.draft_pairs)
+        self.gen = torch.Generator("cuda").manual_seed(q)
+        # One held rank of TP 4 embeds only its quarter of the vocabulary (the other ranks'
+        # rows would arrive through the all-reduce): ids from it keep every hidden state live.
+        self.vocab = g.vocab_size // g.tp_size
+        self.worst: dict[str, float] = {}
 
-    def spec_fn(ids, step):
-        decision = decode.plan(step, capturing=torch.cuda.is_current_stream_capturing())
-        if decision.step is None:  # the warm-up outside the capture: stock, as in vLLM
-            h = spec.backbone(ids, step)
-            return h, spec.logits(h)
-        h = decode.run(decision.step, ids, step)
-        return h, decode.compute_logits(h)
+    def ids(self, requests, tokens):
+        return torch.randint(0, self.vocab, (requests, tokens), device="cuda", generator=self.gen)
 
-    verify = q > 1
-    graphs = {}
-    worst = {}
-    for i in range(STEPS):
-        ids = torch.randint(0, vocab, (requests, q), device="cuda", generator=gen)
-        for name, m, fn in (("stock", stock, stock_fn), ("spec", spec, spec_fn)):
-            if name not in graphs:
-                graphs[name] = Captured(fn, ids, m.step(rows, q, verify))
-            m.forward(rows, ids, verify=verify, run=graphs[name])
-        h_stock, h_spec = graphs["stock"].out[0], graphs["spec"].out[0]
-        check_calls(pairs, worst)
-        assert torch.isfinite(h_spec).all()
-        assert rel(h_spec, h_stock) < 0.1, (i, rel(h_spec, h_stock))
-        assert rel(graphs["spec"].out[1], graphs["stock"].out[1]) < 0.1
-        if verify:
-            n = int(torch.randint(1, q + 1, (), generator=gen, device="cuda"))
-            for m in models:
-                for r in rows:
-                    m.accept(r, n)
-    for layer in g.kda_layers:
-        assert rel(spec.ranks[0].c.recurrent[layer], stock.ranks[0].c.recurrent[layer]) < 0.1
-    for layer in g.mla_layers:
-        assert rel(spec.ranks[0].c.latent[layer], stock.ranks[0].c.latent[layer]) < 0.1
-    print(f"q={q} tokens={tokens}: worst per-call errors {worst}")
+    def _main(self, model):
+        if model is self.stock:
+
+            def fn(ids, step):
+                h = model.backbone(ids, step)
+                return h, model.logits(h)
+
+            return fn
+
+        def planned(ids, step):
+            decision = self.decode.plan(step, capturing=torch.cuda.is_current_stream_capturing())
+            if decision.step is None:  # the warm-up outside the capture
+                h = model.backbone(ids, step)
+                return h, model.logits(h)
+            h = self.decode.run(decision.step, ids, step)
+            return h, self.decode.compute_logits(h)
+
+        return planned
+
+    def _draft(self, model):
+        if model is self.stock:
+            return lambda ids, hidden, step: model.draft_hidden(ids, hidden, step)[:1]
+
+        def planned(ids, hidden, step):
+            decision = self.draft.plan(step, capturing=torch.cuda.is_current_stream_capturing())
+            if decision.step is None:  # the warm-up outside the capture
+                h = model.draft_hidden(ids, hidden, step)[0]
+                return (h[:, -1:] if ids.shape[1] > 1 else h,)
+            return (self.draft.run(decision.step, 0, ids, hidden, step),)
+
+        return planned
+
+    def _worse(self, name, value):
+        self.worst[name] = max(self.worst.get(name, 0.0), value)
+        # Rounding perturbations add up like a random walk over the layers: worst hidden
+        # distance 0.029 at 4 layers, 0.10 at 45 (ratio ~ sqrt(45 / 4)); the bound scales so.
+        bound = BOUND * math.sqrt(max(1.0, self.g.num_hidden_layers / 4))
+        assert value < bound, (name, value, bound)
+
+    def run(self, requests):
+        """STEPS planned steps of `requests` x q tokens (verifies when q > 1), each followed
+        by the draft; then the caches."""
+        q, D = self.q, self.g.hidden_size
+        models = (self.stock, self.spec)
+        rows = [self.stock.add() for _ in range(requests)]
+        assert [self.spec.add() for _ in range(requests)] == rows
+        prompt = self.ids(requests, PROMPT)
+        for m in models:
+            m.forward(rows, prompt)  # prefill: stock on both sides
+        verify = q > 1
+        # The warm-ups run (and write the caches) eagerly: the same inputs on both sides.
+        ids = self.ids(requests, q)
+        main = [Captured(self._main(m), ids, m.step(rows, q, verify)) for m in models]
+        drafts = []
+        if self.draft is not None:
+            at = torch.zeros(requests, q, dtype=torch.long, device="cuda")
+            h = torch.zeros(requests, q, D, dtype=torch.bfloat16, device="cuda")
+            shapes = [(q, at, h)] + ([(1, at[:, :1], h[:, :1])] if q > 1 else [])
+            for t, pos, hid in shapes:
+                ids = self.ids(requests, t)
+                drafts.append(
+                    [Captured(self._draft(m), ids, hid, m.place(rows, pos)) for m in models]
+                )
+        for i in range(STEPS):
+            ids = self.ids(requests, q)
+            start = torch.tensor([self.stock.lengths[r] for r in rows], device="cuda")
+            h = [
+                m.forward(rows, ids, verify=verify, run=c)
+                for m, c in zip(models, main, strict=True)
+            ]
+            check_calls(self.pairs, self.worst)
+            assert torch.isfinite(h[1]).all(), i
+            self._worse("hidden", rel(h[1], h[0]))
+            self._worse("logits", rel(main[1].out[1], main[0].out[1]))
+            # The draft on the stock side's hidden states (the same input on both sides):
+            # a draft prefill at the step's positions, then a draft decode one past them.
+            hidden, positions = h[0], start[:, None] + torch.arange(q, device="cuda")
+            for graphs in drafts:
+                t = graphs[0].inputs[0].shape[1]
+                d_ids, pos = self.ids(requests, t), positions[:, -t:] + (t == 1 and q > 1)
+                out = [
+                    c(d_ids, hidden, m.place(rows, pos))
+                    for m, c in zip(models, graphs, strict=True)
+                ]
+                ref = out[0][:, -1:] if t > 1 else out[0]
+                assert out[1].shape == ref.shape
+                self._worse("draft", rel(out[1], ref))
+                hidden = ref
+            if drafts:
+                check_calls(self.draft_pairs, self.worst)
+            if verify:
+                n = int(torch.randint(1, q + 1, (), generator=self.gen, device="cuda"))
+                for m in models:
+                    for r in rows:
+                        m.accept(r, n)
+        self.check_caches()
+        for m in models:
+            for r in rows:
+                m.release(r)
+
+    def check_caches(self):
+        a, b = self.stock.ranks[0].c, self.spec.ranks[0].c
+        for kind in ("recurrent", "latent", "tail"):
+            for layer, cache in getattr(a, kind).items():
+                other = getattr(b, kind)[layer]
+                self._worse(kind, 0.0 if torch.equal(other, cache) else rel(other, cache))
+
+
+@pytest.mark.parametrize("q", range(1, 9))
+def test_every_capture_size_with_draft_equals_stock(q):
+    sizes = list(range(1, 65))  # vLLM's capture sizes may be any; q-multiples are planned
+    sides = Sides(_geometry(), q, sizes, 64 // q, with_draft=True)
+    for requests in range(1, 64 // q + 1):
+        sides.run(requests)
+        sides.pairs.clear(), sides.draft_pairs.clear()  # the sizes' graphs go with them
+    print(f"q={q}: worst relative errors {sides.worst}")
+
+
+@pytest.mark.parametrize("q, tokens", [(1, 1), (1, 64), (4, 4), (4, 64)])
+def test_full_depth_equals_stock(q, tokens):
+    sides = Sides(_geometry(full_depth=True), q, [tokens], tokens // q, with_draft=False)
+    sides.run(tokens // q)
+    print(f"45 layers, q={q} tokens={tokens}: worst relative errors {sides.worst}")

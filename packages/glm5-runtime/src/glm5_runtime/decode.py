@@ -214,22 +214,28 @@ class SpecializedDecode(LayerStages):
         stock: Callable[[Tensor, Any], Tensor],
         *,
         capturing: bool | None = None,
+        graph: str = "FULL",
     ) -> Tensor:
         """The step: planned when `plan` says so, else `stock(tokens, placement)`.
-        `capturing` defaults to whether a CUDA-graph capture is under way."""
+        `capturing` defaults to whether a CUDA-graph capture is under way; `graph` is the
+        capture's mode ("FULL" | "PIECEWISE" | "NONE")."""
         if capturing is None:
             capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        decision = self.plan(placement, capturing)
+        decision = self.plan(placement, capturing, graph)
         if decision.step is None:
             return stock(tokens, placement)
         return self.run(decision.step, tokens, placement)
 
+    def serves_logits(self, hidden: Tensor) -> bool:
+        """Whether `compute_logits` runs the skinny LM head for these hidden states."""
+        rows = hidden.numel() // hidden.shape[-1]
+        return rows in self.head and hidden.dtype == torch.bfloat16
+
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[..., vocab] FP32 logits: the skinny LM head where the policy picks it."""
         b = self.backbone
-        rows = hidden.numel() // hidden.shape[-1]
-        heads = self.head.get(rows)
-        if heads is None or hidden.dtype != torch.bfloat16:
+        if not self.serves_logits(hidden):
             return b.gather([b.head(s, hidden) for s in b.shards])
-        x = hidden.reshape(rows, -1).contiguous()
+        x = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+        heads = self.head[x.shape[0]]
         return b.gather([h(x).float() for h in heads]).view(*hidden.shape[:-1], -1)
