@@ -1,6 +1,14 @@
 """vLLM's GLM-5.3-Flash model classes as registered by the plugin: subclasses that read the
 deployment's specialized-decode settings when they are built and otherwise behave exactly
-as vLLM's own (same modules, weights and forward)."""
+as vLLM's own (same modules, weights and forward).
+
+With `decode_backend: latency_specialized` on a supported deployment, Glm5NextForCausalLM
+binds glm5-runtime's SpecializedDecode to its own modules once its weights are loaded
+(`VllmBackbone`), compiles the stage kernels on the first forward outside a capture (vLLM's
+profile run, before any CUDA graph), and then every forward asks the plan: a planned step
+(a FULL-graph capture of a uniform decode or verify) runs the specialized layer loop, every
+other step vLLM's forward; compute_logits takes the skinny LM head where the policy picks it.
+The conditional-generation wrapper and the MTP drafter are not bound yet: they run stock."""
 
 from __future__ import annotations
 
@@ -11,6 +19,7 @@ from vllm.models.glm5next import Glm5NextForConditionalGeneration as _Conditiona
 from vllm.models.glm5next import Glm5NextMTP as _MTP
 
 from .config import specialized_decode_config
+from .metadata import step_context
 
 __all__ = ["Glm5NextForCausalLM", "Glm5NextForConditionalGeneration", "Glm5NextMTP"]
 
@@ -18,22 +27,79 @@ logger = logging.getLogger("glm5_vllm")
 
 
 class _Configured:
+    bound = False  # whether this class binds the specialized decode
+
     def _configure(self, vllm_config) -> None:
         # Before the modules are built: a requested but unsupported deployment fails here,
         # with every reason, instead of after loading weights.
         self.glm5_decode = specialized_decode_config(vllm_config)
-        if self.glm5_decode is not None:
+        self.glm5_specialized = None
+        self._glm5_prepared = False
+        if self.glm5_decode is not None and not self.bound:
             logger.warning(
-                "GLM-5.3-Flash specialized decode requested; glm5-vllm %s does not yet bind "
-                "it to vLLM's modules, so every step runs vLLM's stock forward",
-                __import__("glm5_vllm").__version__,
-            )
+                "GLM-5.3-Flash specialized decode requested; glm5-vllm %s does not bind it "
+                "to %s, which runs vLLM's stock forward",
+                __import__("glm5_vllm").__version__, type(self).__name__,
+            )  # fmt: skip
 
 
 class Glm5NextForCausalLM(_Configured, _CausalLM):
+    bound = True
+
     def __init__(self, *, vllm_config, prefix: str = ""):
         self._configure(vllm_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
+
+    def load_weights(self, weights):
+        loaded = super().load_weights(weights)
+        if self.glm5_decode is not None:
+            self.glm5_specialized = _bind(self, self.glm5_decode)
+        return loaded
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kw):
+        def stock(*_):
+            return super(Glm5NextForCausalLM, self).forward(
+                input_ids, positions, intermediate_tensors, inputs_embeds, **kw
+            )
+
+        decode = self.glm5_specialized
+        if decode is None or input_ids is None or intermediate_tensors is not None:
+            return stock()
+        from .backbone import VllmStep
+
+        context = step_context(positions.shape[0], aux_layers=decode.backbone.aux_layers)
+        if not self._glm5_prepared:
+            if context.capturing:  # vLLM always runs its profile step first; be safe anyway
+                return stock()
+            decode.prepare()  # a stage whose kernels fail to compile warns and runs stock
+            self._glm5_prepared = True
+        placement = VllmStep(positions, context)
+        return decode.forward(
+            input_ids, placement, stock, capturing=context.capturing, graph=context.graph
+        )
+
+    def compute_logits(self, hidden_states):
+        decode = self.glm5_specialized
+        if decode is not None and self._glm5_prepared and decode.serves_logits(hidden_states):
+            return decode.compute_logits(hidden_states)
+        return super().compute_logits(hidden_states)
+
+
+def _bind(model, config):
+    """SpecializedDecode over the model's own modules; on any failure one warning and
+    None (vLLM's stock forward runs)."""
+    try:
+        from glm5_runtime.decode import SpecializedDecode
+
+        from .backbone import VllmBackbone
+
+        return SpecializedDecode(VllmBackbone(model), config)
+    except Exception as e:  # a missing kernel toolchain, an unexpected module layout
+        logger.warning(
+            "GLM-5.3-Flash specialized decode not bound (%s: %s); vLLM's stock forward runs",
+            type(e).__name__, e,
+        )  # fmt: skip
+        return None
 
 
 class Glm5NextForConditionalGeneration(_Configured, _ConditionalGeneration):

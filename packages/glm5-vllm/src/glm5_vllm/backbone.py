@@ -1,0 +1,266 @@
+"""vLLM's GLM-5.3-Flash modules through glm5-runtime's backbone protocol (seam 1).
+
+The stock operations are vLLM's own modules, called as its decoder layer calls them (mHC pre
+with the fused input norm, attention, mHC post, MLP / MoE). vLLM's row-parallel modules
+all-reduce inside (o_proj, down_proj, the fused MoE), so a sublayer output is already
+reduced and `reduce` is the identity until a fused boundary switches a module's reduce off.
+
+Weights are read by their HF names, as views of vLLM's parameters (never copies, never
+modified): the fused projections (`fused_qkv_a_proj` = q_a | kv_a, `in_proj_qkvbfg_a` =
+q | k | v | b | f_a | g_a, `gate_up_proj` = gate | up) are sliced at this rank's partition
+sizes, FP8 block scales by whole 128-row blocks.
+
+A route makes a module's forward run a stage op (an instance attribute that shadows the
+class's forward; removing it restores vLLM's): a whole linear (all-reduced when the module
+is row-parallel and reduces), one part of a fused linear (the other parts keep vLLM's
+weights), the MoE gate (cast to the gate's output dtype), or an MLP block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from glm5_runtime.plan import Rows, StepContext
+from glm5_runtime.protocol import Layer
+
+__all__ = ["VllmBackbone", "VllmStep"]
+
+# HF projection name -> (vLLM's fused module, its part).
+FUSED = {
+    "q_a_proj": ("fused_qkv_a_proj", 0),
+    "kv_a_proj_with_mqa": ("fused_qkv_a_proj", 1),
+    "q_proj": ("in_proj_qkvbfg_a", 0),
+    "k_proj": ("in_proj_qkvbfg_a", 1),
+    "v_proj": ("in_proj_qkvbfg_a", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+BLOCK = 128  # FP8 block-scale granularity
+
+
+@dataclass(frozen=True)
+class VllmStep:
+    """The placement of one vLLM forward: its positions and the routing decision's view of
+    vLLM's forward context (token count, per-layer metadata as row counts)."""
+
+    positions: Tensor
+    context: StepContext
+
+
+class VllmBackbone:
+    """A loaded vLLM Glm5NextForCausalLM (this process's TP rank) as a backbone."""
+
+    def __init__(self, model: nn.Module):
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        self.model, self.decoder = model, model.model
+        config = model.config
+        self.config = config
+        self.shards = (get_tensor_model_parallel_rank(),)
+        self.hidden_size = config.hidden_size
+        self.swiglu_limit = float(config.swiglu_limit)
+        self.ue8m0 = _ue8m0_activations()
+        self.aux_layers = tuple(getattr(self.decoder, "aux_hidden_state_layers", ()) or ())
+        self.layers = tuple(
+            Layer(i, layer.layer_kind, "moe" if layer._mlp_is_moe else "dense")
+            for i, layer in enumerate(self.decoder.layers)
+        )
+        self.draft_layers: tuple[Layer, ...] = ()  # the MTP drafter is bound separately
+        self._hc = config.hc_mult
+        self._routes: dict[nn.Module, dict[int | None, Any]] = {}
+
+    # Weights.
+    def _module(self, path: str) -> nn.Module | None:
+        root = self.model if path.startswith("lm_head") else self.decoder
+        try:
+            return root.get_submodule(path)
+        except AttributeError:
+            return None
+
+    def _locate(self, name: str) -> tuple[nn.Module, int | None, str] | None:
+        """(module, fused part or None, parameter name) of an HF weight name."""
+        base, _, leaf = name.rpartition(".")
+        parent, _, proj = base.rpartition(".")
+        if proj in FUSED:
+            fused, part = FUSED[proj]
+            module = self._module(f"{parent}.{fused}")
+            if module is None:
+                return None
+            return module, part, leaf
+        module = self._module(base)
+        return None if module is None else (module, None, leaf)
+
+    def weight(self, shard: int, name: str) -> Tensor | None:
+        found = self._locate(name)
+        if found is None:
+            return None
+        module, part, leaf = found
+        tensor = getattr(module, leaf, None)
+        if not isinstance(tensor, Tensor):
+            return None
+        tensor = tensor.data
+        if part is None:
+            return tensor
+        start, end = _bounds(module, part)
+        if leaf != "weight":  # a block scale: whole 128-row blocks only
+            if start % BLOCK or (end % BLOCK and end != _rows(module)):
+                return None
+            return tensor[start // BLOCK : -(-end // BLOCK)]
+        return tensor[start:end]
+
+    # The step.
+    def tokens(self, placement: VllmStep) -> int:
+        return placement.context.tokens
+
+    def rows(self, placement: VllmStep) -> Mapping[str, Rows]:
+        return placement.context.rows
+
+    def draft_rows(self, placement: VllmStep) -> Mapping[str, Rows]:
+        return placement.context.rows
+
+    # Stock operations (vLLM's modules).
+    def embed(self, tokens: Tensor) -> Tensor:
+        return self.decoder.embed_tokens(tokens)
+
+    def expand(self, x: Tensor) -> Tensor:
+        from vllm.model_executor.layers.mhc import hc_expand
+
+        return hc_expand(x, self._hc)
+
+    def pre(self, layer: int, site: str, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        m = self.decoder.layers[layer]
+        norm = m.input_layernorm if site == "attn" else m.post_attention_layernorm
+        fn, scale, base = (getattr(m, f"hc_{site}_{p}") for p in ("fn", "scale", "base"))
+        post, comb, x = m.hc_pre(
+            streams, fn, scale, base, norm_weight=norm.weight.data,
+            norm_eps=norm.variance_epsilon,
+        )  # fmt: skip
+        return x, post, comb
+
+    def post(self, x: Tensor, streams: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+        return self.decoder.layers[0].hc_post(x, streams, post, comb)
+
+    def final_norm(self, streams: Tensor) -> Tensor:
+        from vllm.model_executor.layers.mhc import hc_contract
+
+        return self.decoder.norm(hc_contract(streams, self._hc))
+
+    def attention(self, shard: int, layer: int, x: Tensor, placement: VllmStep) -> Tensor:
+        return self.decoder.layers[layer].self_attn(hidden_states=x, positions=placement.positions)
+
+    def mlp(self, shard: int, layer: int, x: Tensor) -> Tensor:
+        return self.decoder.layers[layer].mlp(x)
+
+    def reduce(self, partials: Sequence[Tensor]) -> Tensor:
+        (out,) = partials  # one rank per process; vLLM's modules reduced it already
+        return out
+
+    def head(self, shard: int, x: Tensor) -> Tensor:
+        head = self.model.lm_head
+        return head.quant_method.apply(head, x).float()
+
+    def gather(self, slices: Sequence[Tensor]) -> Tensor:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+        from vllm.distributed import tensor_model_parallel_all_gather as all_gather
+
+        (logits,) = slices
+        if get_tensor_model_parallel_world_size() > 1:
+            logits = all_gather(logits)
+        return logits[..., : self.config.vocab_size]  # vocab padding off
+
+    def draft_input(self, k: int, tokens: Tensor, hidden: Tensor, placement: Any) -> Tensor:
+        raise RuntimeError("glm5-vllm: the MTP drafter is not bound to the specialized decode")
+
+    def linear(self, shard: int, name: str, x: Tensor) -> Tensor:
+        module = self._module(name.removesuffix(".weight"))
+        out = module(x)
+        return out[0] if isinstance(out, tuple) else out
+
+    def norm(self, name: str, x: Tensor) -> Tensor:
+        return self._module(name.removesuffix(".weight"))(x)
+
+    # Routes.
+    def route(self, shard: int, name: str, op: Any) -> None:
+        if name.endswith(".weight"):
+            found = self._locate(name)
+            if found is None:
+                raise KeyError(f"glm5-vllm: no vLLM module holds {name}")
+            module, part, _ = found
+        else:
+            module, part = self._module(name), None
+            if module is None:
+                raise KeyError(f"glm5-vllm: no vLLM module {name}")
+        ops = self._routes.setdefault(module, {})
+        if op is None:
+            ops.pop(part, None)
+        else:
+            ops[part] = op
+        if ops:
+            module.forward = _routed_forward(module, dict(ops))
+        else:
+            module.__dict__.pop("forward", None)  # vLLM's own forward again
+            del self._routes[module]
+
+
+def _routed_forward(module: nn.Module, ops: dict[int | None, Any]):
+    from vllm.distributed import get_tensor_model_parallel_world_size
+    from vllm.distributed import tensor_model_parallel_all_reduce as all_reduce
+    from vllm.model_executor.layers.linear import LinearBase
+
+    tp = get_tensor_model_parallel_world_size()
+    linear = isinstance(module, LinearBase)
+    returns_bias = linear and getattr(module, "return_bias", True)
+    out_dtype = getattr(module, "out_dtype", None)
+    if linear:
+        reduce = tp > 1 and getattr(module, "reduce_results", False)
+    else:  # an MLP block ends in its down_proj
+        reduce = tp > 1 and getattr(module.down_proj, "reduce_results", False)
+
+    def finish(y: Tensor):
+        if reduce:
+            y = all_reduce(y)
+        if out_dtype is not None:
+            y = y.to(out_dtype)
+        return (y, None) if returns_bias else y
+
+    if None in ops:
+        op = ops[None]
+        return lambda x: finish(op(x))
+    sizes = list(module.output_partition_sizes)
+
+    def fused(x: Tensor):
+        parts, start = [], 0
+        for part, size in enumerate(sizes):
+            op = ops.get(part)
+            w = module.weight[start : start + size]
+            parts.append(op(x) if op is not None else F.linear(x, w))
+            start += size
+        return finish(torch.cat(parts, dim=-1))
+
+    return fused
+
+
+def _bounds(module: nn.Module, part: int) -> tuple[int, int]:
+    sizes = list(module.output_partition_sizes)
+    start = sum(sizes[:part])
+    return start, start + sizes[part]
+
+
+def _rows(module: nn.Module) -> int:
+    return sum(module.output_partition_sizes)
+
+
+def _ue8m0_activations() -> bool:
+    """Whether vLLM rounds FP8 activation scales to powers of two (DeepGEMM's E8M0)."""
+    try:
+        from vllm.utils.deep_gemm import is_deep_gemm_e8m0_used
+
+        return bool(is_deep_gemm_e8m0_used())
+    except Exception:  # no DeepGEMM on this host: vLLM uses FP32 scales
+        return False

@@ -1,0 +1,209 @@
+"""The adapter (`VllmBackbone`) and the model hooks over a real vLLM 0.33 Glm5NextForCausalLM
+built on CPU (tiny, KDA-only; tiny_model.py says where vLLM stops on CPU), its weights
+loaded by vLLM's own loader from the reference's checkpoint.
+
+- every weight the specialized decode reads maps, by its HF name, onto a view of the vLLM
+  parameter holding exactly the checkpoint's tensor (fused projections sliced);
+- vLLM's stock operations that run on CPU (embedding, mHC expand / post / contract and final
+  norm, dense MLP, LM head) agree with the reference backbone on the same weights;
+- routes make vLLM's modules run stage ops (whole, fused part, router, MLP block) and leave
+  them exactly as they were;
+- the model binds SpecializedDecode after load_weights, runs vLLM's forward for steps the
+  plan does not take, and plans FULL-graph decode captures."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, monkeypatch_module):
+    import vllm.model_executor.layers.utils as layer_utils
+
+    # vLLM's CPU linears use its CPU build's kernels (AMX / oneDNN, absent from the CUDA
+    # wheel); these switches send them down vLLM's own torch fallback (F.linear).
+    monkeypatch_module.setattr(layer_utils, "check_cpu_sgl_kernel", lambda *a: False)
+    monkeypatch_module.setattr(layer_utils.ops, "_supports_onednn", False, raising=False)
+    import vllm.platforms
+    from tiny_model import build
+
+    platform = vllm.platforms._current_platform
+    yield build(tmp_path_factory.mktemp("glm5-vllm-tiny"))
+    vllm.platforms._current_platform = platform  # build() set vLLM's CpuPlatform
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as m:
+        yield m
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def b_hidden(model):
+    return model.config.hidden_size
+
+
+def _backbone(built):
+    from glm5_vllm.backbone import VllmBackbone
+
+    return VllmBackbone(built[0])
+
+
+def test_layers_and_weights_map_onto_vllms_parameters(built):
+    model, _, _, sd = built
+    b = _backbone(built)
+    g = built[2].g
+    assert [(x.attention, x.mlp) for x in b.layers] == [
+        ("kda", "dense" if t == "dense" else "moe") for t in g.mlp_layer_types
+    ]
+    assert b.shards == (0,) and b.hidden_size == g.hidden_size and b.aux_layers == ()
+    names = ["lm_head.weight"]
+    for i, t in enumerate(g.mlp_layer_types):
+        p = f"layers.{i}"
+        names += [f"{p}.self_attn.{n}_proj.weight" for n in ("q", "k", "v", "o")]
+        if t == "dense":
+            names += [f"{p}.mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+        else:
+            names += [f"{p}.mlp.gate.weight"]
+            names += [f"{p}.mlp.shared_experts.{n}_proj.weight" for n in ("gate", "up", "down")]
+    params = [p.data for p in model.parameters()]
+    for name in names:
+        w = b.weight(0, name)
+        assert w is not None, name
+        assert torch.equal(w, sd[name].to(w.dtype)), name
+        # A view into vLLM's own storage: read, never copied.
+        assert any(w.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for p in params)
+    # Unquantized here: no block scales; a name no module holds is None.
+    assert b.weight(0, "layers.0.mlp.gate_proj.weight_scale_inv") is None
+    assert b.weight(0, "layers.0.self_attn.q_a_proj.weight") is None  # no MLA layer
+
+
+def test_stock_operations_match_the_reference_backbone(built):
+    from vllm.config import set_current_vllm_config
+
+    from glm5_runtime.reference.backbone import ReferenceBackbone
+
+    model, vllm_config, reference, _ = built
+    b, r = _backbone(built), ReferenceBackbone(reference)
+    gen = torch.Generator().manual_seed(0)
+    n, d = 7, reference.g.hidden_size
+    ids = torch.randint(0, reference.g.vocab_size, (n,), generator=gen)
+    x = torch.randn(n, d, generator=gen).bfloat16()
+    with set_current_vllm_config(vllm_config), torch.no_grad():
+        assert torch.equal(b.embed(ids), r.embed(ids[None])[0])
+        streams = b.expand(x)
+        assert torch.equal(streams, r.expand(x))
+        streams = (streams.float() + torch.randn(streams.shape, generator=gen)).bfloat16()
+        # vLLM's CPU mHC pre needs its CPU build; post runs its torch path (the reference
+        # computes post / comb the same way; they feed vLLM's post as [N, hc, 1] / [N, hc, hc]).
+        _, post, comb = r.pre(2, "ffn", streams)
+        op = model.model.layers[0].mhc_post_op
+        op._forward_method = op.forward_native
+        got, want = b.post(x, streams, post[..., None], comb), r.post(x, streams, post, comb)
+        assert _rel(got, want) < 2**-7  # one BF16 rounding of FP32 vs BF16 mixing
+        assert torch.equal(b.final_norm(streams), r.final_norm(streams))
+        assert _rel(b.mlp(0, 0, x), r.mlp(0, 0, x[None])[0]) < 2**-7
+        assert torch.equal(b.gather([b.head(0, x)]), r.gather([r.head(0, x)]))
+        assert b.reduce([x]) is x  # vLLM's modules reduce inside
+
+
+def test_routes_run_stage_ops_and_leave_vllms_modules_as_they_were(built):
+    import torch.nn.functional as F
+    from vllm.config import set_current_vllm_config
+
+    model, vllm_config, _, _ = built
+    b = _backbone(built)
+    layer = model.model.layers[2]
+    attn, mlp = layer.self_attn, layer.mlp
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, b.hidden_size, generator=gen).bfloat16()
+    with set_current_vllm_config(vllm_config), torch.no_grad():
+        stock = {
+            "in_proj": attn.in_proj_qkvbfg_a(x)[0], "gate": mlp.gate(x)[0],
+            "shared": mlp.shared_experts(x),
+        }  # fmt: skip
+        w_k = b.weight(0, "layers.2.self_attn.k_proj.weight")
+        w_g = b.weight(0, "layers.2.mlp.gate.weight")
+        routes = {
+            "layers.2.self_attn.k_proj.weight": lambda t: 2 * F.linear(t, w_k),
+            "layers.2.mlp.gate.weight": lambda t: F.linear(t.float(), w_g.float()),
+            "layers.2.mlp.shared_experts": lambda t: torch.zeros_like(t),
+        }
+        for name, op in routes.items():
+            b.route(0, name, op)
+        assert {"forward"} <= set(vars(attn.in_proj_qkvbfg_a))
+        fused = attn.in_proj_qkvbfg_a(x)[0]
+        k0, k1 = (
+            attn.in_proj_qkvbfg_a.output_partition_sizes[0],
+            sum(attn.in_proj_qkvbfg_a.output_partition_sizes[:2]),
+        )
+        assert torch.equal(fused[:, k0:k1], 2 * F.linear(x, w_k))  # the routed part
+        assert torch.equal(fused[:, :k0], stock["in_proj"][:, :k0])  # the others: vLLM's
+        assert torch.equal(fused[:, k1:], stock["in_proj"][:, k1:])
+        logits = mlp.gate(x)[0]
+        assert logits.dtype == (mlp.gate.out_dtype or logits.dtype)
+        assert torch.equal(logits, F.linear(x.float(), w_g.float()).to(logits.dtype))
+        assert torch.equal(mlp.shared_experts(x), torch.zeros_like(x))
+        for name in routes:
+            b.route(0, name, None)
+        for module in (attn.in_proj_qkvbfg_a, mlp.gate, mlp.shared_experts):
+            assert "forward" not in vars(module)  # the class's forward again
+        assert torch.equal(attn.in_proj_qkvbfg_a(x)[0], stock["in_proj"])
+        assert torch.equal(mlp.gate(x)[0], stock["gate"])
+        assert torch.equal(mlp.shared_experts(x), stock["shared"])
+    with pytest.raises(KeyError, match=r"layers\.99"):
+        b.route(0, "layers.99.self_attn.o_proj.weight", lambda t: t)
+
+
+def test_model_binds_the_specialized_decode_and_runs_stock_when_unplanned(built, monkeypatch):
+    from vllm.models.glm5next import Glm5NextForCausalLM as Stock
+
+    import glm5_vllm.models as models
+    from glm5_policy import DecodeConfig
+    from glm5_runtime.decode import SpecializedDecode
+    from glm5_runtime.plan import Rows
+    from glm5_vllm.backbone import VllmBackbone, VllmStep
+    from glm5_vllm.metadata import step_context
+
+    model = built[0]
+    kda = {"1-64": "gemm"}
+    config = DecodeConfig.build(max_context=64, q=2, capture_sizes=[2, 4], policy={"kda_proj": kda})
+    model.glm5_decode = config
+    decode = models._bind(model, config)
+    assert isinstance(decode, SpecializedDecode) and isinstance(decode.backbone, VllmBackbone)
+    # The KDA projections of every layer are stage ops over views of vLLM's weights.
+    routed = {name for _, name, _ in decode.routes[2]}
+    assert routed == {
+        f"layers.{i}.self_attn.{p}_proj.weight" for i in range(8) for p in ("q", "k", "v")
+    }
+    decode.prepare()
+    # Installed for a planned 2-token step, the Triton stage ops (the interpreter, here)
+    # serve vLLM's fused KDA input projection; uninstalled, vLLM's own GEMM again.
+    in_proj = model.model.layers[5].self_attn.in_proj_qkvbfg_a
+    x = torch.randn(2, b_hidden(model), generator=torch.Generator().manual_seed(2)).bfloat16()
+    with torch.no_grad():
+        stock = in_proj(x)[0]
+        with decode.installed(2):
+            assert "forward" in vars(in_proj)
+            routed_out = in_proj(x)[0]
+        assert "forward" not in vars(in_proj)
+    assert _rel(routed_out, stock) < 2**-8  # BF16 output rounding of a different summation
+    calls = []
+    monkeypatch.setattr(Stock, "forward", lambda self, *a, **k: calls.append(a) or "stock")
+    model.glm5_specialized, model._glm5_prepared = decode, True
+    ids, positions = torch.zeros(4, dtype=torch.long), torch.arange(4)
+    assert model.forward(ids, positions) == "stock"  # eager, no forward context: stock
+    assert len(calls) == 1 and calls[0][0] is ids
+    # A FULL-graph capture of two 2-token verifies is planned.
+    verify = Rows(spec_decodes=2, spec_decode_tokens=4, spec_state_rows=2)
+    context = step_context(4)
+    context = type(context)(4, True, "FULL", rows={"layers.0.self_attn": verify})
+    plan = decode.plan(VllmStep(positions, context), capturing=True)
+    assert plan.step is not None and (plan.step.q, plan.step.tokens) == (2, 4), plan.reason
+    piecewise = type(context)(4, True, "PIECEWISE", rows={"layers.0.self_attn": verify})
+    assert decode.plan(VllmStep(positions, piecewise), True, "PIECEWISE").step is None
+    model.glm5_specialized = None

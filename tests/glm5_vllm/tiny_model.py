@@ -1,0 +1,111 @@
+"""A real vLLM 0.33 Glm5NextForCausalLM built on CPU for a tiny KDA-only geometry, its
+weights loaded through vLLM's own `load_weights` from the reference's random checkpoint
+(renamed to the checkpoint's names, FP8 blocks dequantized: vLLM's CPU build has no FP8
+linear), beside the reference model over the same weights.
+
+Where vLLM stops on CPU (README): building needs vLLM's CpuPlatform as the current
+platform and the checkpoint fields transformers' config lacks; MLA layers refuse CPU, so the
+geometry is KDA-only; KDA attention itself needs Triton GPU kernels, so it is not run here."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+
+import torch
+
+from glm5_runtime.reference import ReferenceModel, geometry
+from glm5_runtime.reference.weights import dequantized, random_state_dict
+
+HC = re.compile(r"\.(attn|ffn)_hc\.(fn|base|scale)$")
+
+
+def tiny_geometry():
+    return geometry(
+        "tiny", layer_types=("linear_attention",) * 8, hidden_size=128,
+        moe_intermediate_size=128, num_nextn_predict_layers=0,
+    )  # fmt: skip
+
+
+def checkpoint(state_dict):
+    """The reference's HF-named tensors under the checkpoint's names that vLLM loads."""
+    out = {}
+    for name, w in state_dict.items():
+        key = name if name.startswith("lm_head") else f"model.{name}"
+        key = HC.sub(lambda m: f".hc_{m[1]}_{m[2]}", key)
+        key = key.replace(".forget_gate.", ".")
+        if key.endswith(".self_attn.conv1d.weight"):
+            for part, chunk in zip("qkv", w.chunk(3), strict=True):
+                out[key.replace("conv1d", f"{part}_conv1d")] = chunk
+        elif key.endswith(".experts.gate_up_proj"):
+            for e, gate_up in enumerate(w):
+                gate, up = gate_up.chunk(2)
+                out[key.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate
+                out[key.replace("gate_up_proj", f"{e}.up_proj.weight")] = up
+        elif key.endswith(".experts.down_proj"):
+            for e, down in enumerate(w):
+                out[key.replace("down_proj", f"{e}.down_proj.weight")] = down
+        else:
+            out[key] = w
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build(folder, additional_config=None):
+    """(vLLM model, VllmConfig, reference model over the FP8 checkpoint, the HF-named FP32
+    state dict vLLM loaded)."""
+    import vllm.platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    # First: modules imported below read the current platform when they load.
+    vllm.platforms._current_platform = CpuPlatform()
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+
+    from glm5_vllm.models import Glm5NextForCausalLM
+
+    g = tiny_geometry()
+    config = g.to_hf().to_dict()
+    config.update(
+        architectures=["Glm5NextForCausalLM"], mhc=True, topk_method="noaux_tc",
+        scoring_func="sigmoid", mla_use_nope=True, num_nextn_predict_layers=0,
+    )  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    model_config = ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="bfloat16")
+    vllm_config = VllmConfig(
+        model_config=model_config, device_config=DeviceConfig(device="cpu"),
+        additional_config=additional_config or {},
+    )  # fmt: skip
+    fp8 = random_state_dict(g, seed=3)
+    sd = dequantized(fp8)
+    with set_current_vllm_config(vllm_config):
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.init_distributed_environment(
+                world_size=1, rank=0, local_rank=0, backend="gloo",
+                distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            )  # fmt: skip
+            parallel_state.initialize_model_parallel(1, 1)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = Glm5NextForCausalLM(vllm_config=vllm_config, prefix="")
+        finally:
+            torch.set_default_dtype(default)
+        model.load_weights(iter(checkpoint(sd).items()))
+        # What vLLM's loader does next for the linears and embeddings (CPU linears pick
+        # their GEMM here); the fused-MoE CPU method's needs vLLM's CPU build (not run).
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None and not isinstance(method, FusedMoEMethodBase):
+                method.process_weights_after_loading(module)
+    reference = ReferenceModel.from_state_dict(
+        g, fp8, max_requests=2, max_context=64, block_size=16
+    )
+    return model, vllm_config, reference, sd
