@@ -98,8 +98,20 @@ def test_stock_operations_match_the_reference_backbone(built):
         streams = b.expand(x)
         assert torch.equal(streams, r.expand(x))
         streams = (streams.float() + torch.randn(streams.shape, generator=gen)).bfloat16()
-        # vLLM's CPU mHC pre needs its CPU build; post runs its torch path (the reference
-        # computes post / comb the same way; they feed vLLM's post as [N, hc, 1] / [N, hc, hc]).
+        # vLLM's CPU mHC ops need its CPU build: pre and post run their torch paths here,
+        # whose pre leaves the input norm to the fused CUDA kernel (applied below).
+        layer = model.model.layers[2]
+        pre_op = layer.mhc_pre_op
+        pre_op._forward_method = pre_op.forward_native
+        for site, norm in (
+            ("attn", layer.input_layernorm),
+            ("ffn", layer.post_attention_layernorm),
+        ):
+            x_v, post_v, comb_v = b.pre(2, site, streams)
+            x_r, post_r, comb_r = r.pre(2, site, streams)
+            assert post_v.shape == (n, reference.g.hc_mult, 1)
+            assert _rel(post_v[..., 0], post_r) < 1e-5 and _rel(comb_v, comb_r) < 1e-5, site
+            assert _rel(norm(x_v), x_r) < 2**-7, site
         _, post, comb = r.pre(2, "ffn", streams)
         op = model.model.layers[0].mhc_post_op
         op._forward_method = op.forward_native
