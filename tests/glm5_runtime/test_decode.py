@@ -202,3 +202,25 @@ def test_draft_steps_equal_stock():
     # The draft's MLA wrote the same latent KV (every token of the prefill included).
     layer = g.num_hidden_layers
     assert rel(spec.ranks[0].c.latent[layer], stock.ranks[0].c.latent[layer]) < 2e-2
+
+
+def test_planned_step_from_input_embeddings():
+    """A multimodal model hands the step its input embeddings instead of token ids."""
+    g = _smooth()
+    gen = torch.Generator().manual_seed(6)
+    prompt = torch.randint(0, g.vocab_size, (Q, 5), generator=gen)
+    tokens = torch.randint(0, g.vocab_size, (Q, Q), generator=gen)
+    out = []
+    for use_embeds in (False, True):  # two identical models: a step writes its caches
+        model = _model(g, requests=Q)
+        decode = _decoder(model)
+        requests = [model.add() for _ in range(Q)]
+        model.forward(requests, prompt)
+        step = model.step(requests, Q, verify=True)
+        decision = decode.plan(step, capturing=True)
+        assert decision.step is not None, decision.reason
+        if use_embeds:
+            out.append(decode.run(decision.step, None, step, decode.backbone.embed(tokens)))
+        else:
+            out.append(decode.run(decision.step, tokens, step))
+    assert torch.equal(out[1], out[0])

@@ -219,3 +219,35 @@ def test_model_binds_the_specialized_decode_and_runs_stock_when_unplanned(built,
     piecewise = type(context)(4, True, "PIECEWISE", rows={"layers.0.self_attn": verify})
     assert decode.plan(VllmStep(positions, piecewise), True, "PIECEWISE").step is None
     model.glm5_specialized = None
+
+
+def test_hooks_take_input_embeddings_and_the_multimodal_wrapper_delegates(built, monkeypatch):
+    """A multimodal wrapper hands input embeddings (and M-RoPE positions [3, T]); vLLM's
+    wrapper calls the language model's inner `model`, ours its hooked forward."""
+    from torch import nn
+    from vllm.models.glm5next import Glm5NextForCausalLM as Stock
+    from vllm.models.glm5next import Glm5NextForConditionalGeneration as StockWrapper
+
+    import glm5_vllm.models as models
+    from glm5_policy import DecodeConfig
+
+    model = built[0]
+    config = DecodeConfig.build(max_context=64, q=1, capture_sizes=[4], policy={})
+    decode = models._bind(model, config)
+    model.glm5_specialized, model._glm5_prepared = decode, True
+    calls = []
+    monkeypatch.setattr(Stock, "forward", lambda self, *a, **k: calls.append(a) or "stock")
+    monkeypatch.setattr(StockWrapper, "forward", lambda self, *a, **k: "vllm's wrapper")
+    embeds = torch.zeros(4, b_hidden(model), dtype=torch.bfloat16)
+    positions = torch.arange(4).expand(3, 4)
+    assert model.forward(None, positions, None, embeds) == "stock"  # eager: stock
+    assert calls[-1][0] is None and calls[-1][3] is embeds
+    wrapper = models.Glm5NextForConditionalGeneration.__new__(
+        models.Glm5NextForConditionalGeneration
+    )
+    nn.Module.__init__(wrapper)
+    wrapper.language_model = model
+    assert wrapper.forward(None, positions, None, embeds) == "stock"  # through our hooks
+    assert calls[-1][3] is embeds and len(calls) == 2
+    model.glm5_specialized = None  # unbound: vLLM's wrapper forward, untouched
+    assert wrapper.forward(None, positions, None, embeds) == "vllm's wrapper"

@@ -191,11 +191,14 @@ class SpecializedDecode(LayerStages):
         )  # fmt: skip
         return plan(context, self.batches, self.q)
 
-    def run(self, step: Step, tokens: Tensor, placement: Any) -> Tensor:
-        """Final normalized hidden states [R, T, D] of a planned step."""
+    def run(
+        self, step: Step, tokens: Tensor | None, placement: Any, embeds: Tensor | None = None
+    ) -> Tensor:
+        """Final normalized hidden states [R, T, D] of a planned step, from token ids or
+        from input embeddings the caller computed (a multimodal model's)."""
         b = self.backbone
         with self.installed(step.tokens):
-            x = b.embed(tokens)
+            x = b.embed(tokens) if embeds is None else embeds
             shape = x.shape
             streams = b.expand(x.reshape(-1, shape[-1]))
             for layer in self.layers:
@@ -209,22 +212,23 @@ class SpecializedDecode(LayerStages):
 
     def forward(
         self,
-        tokens: Tensor,
+        tokens: Tensor | None,
         placement: Any,
-        stock: Callable[[Tensor, Any], Tensor],
+        stock: Callable[[Tensor | None, Any], Tensor],
         *,
         capturing: bool | None = None,
         graph: str = "FULL",
+        embeds: Tensor | None = None,
     ) -> Tensor:
         """The step: planned when `plan` says so, else `stock(tokens, placement)`.
         `capturing` defaults to whether a CUDA-graph capture is under way; `graph` is the
-        capture's mode ("FULL" | "PIECEWISE" | "NONE")."""
+        capture's mode ("FULL" | "PIECEWISE" | "NONE"); `embeds` stand in for `tokens`."""
         if capturing is None:
             capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         decision = self.plan(placement, capturing, graph)
         if decision.step is None:
             return stock(tokens, placement)
-        return self.run(decision.step, tokens, placement)
+        return self.run(decision.step, tokens, placement, embeds)
 
     def serves_logits(self, hidden: Tensor) -> bool:
         """Whether `compute_logits` runs the skinny LM head for these hidden states."""

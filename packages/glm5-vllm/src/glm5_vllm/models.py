@@ -8,7 +8,8 @@ binds glm5-runtime's SpecializedDecode to its own modules once its weights are l
 profile run, before any CUDA graph), and then every forward asks the plan: a planned step
 (a FULL-graph capture of a uniform decode or verify) runs the specialized layer loop, every
 other step vLLM's forward; compute_logits takes the skinny LM head where the policy picks it.
-The conditional-generation wrapper and the MTP drafter are not bound yet: they run stock."""
+Glm5NextForConditionalGeneration runs its language model's hooks with the input
+embeddings it computed. The MTP drafter is not bound yet: it runs stock."""
 
 from __future__ import annotations
 
@@ -63,11 +64,15 @@ class Glm5NextForCausalLM(_Configured, _CausalLM):
             )
 
         decode = self.glm5_specialized
-        if decode is None or input_ids is None or intermediate_tensors is not None:
+        if decode is None or intermediate_tensors is not None:
+            return stock()
+        if input_ids is None and inputs_embeds is None:
             return stock()
         from .backbone import VllmStep
 
-        context = step_context(positions.shape[0], aux_layers=decode.backbone.aux_layers)
+        # positions: [T], or [3, T] with a multimodal model's M-RoPE
+        tokens = positions.shape[-1]
+        context = step_context(tokens, aux_layers=decode.backbone.aux_layers)
         if not self._glm5_prepared:
             if context.capturing:  # vLLM always runs its profile step first; be safe anyway
                 return stock()
@@ -75,8 +80,9 @@ class Glm5NextForCausalLM(_Configured, _CausalLM):
             self._glm5_prepared = True
         placement = VllmStep(positions, context)
         return decode.forward(
-            input_ids, placement, stock, capturing=context.capturing, graph=context.graph
-        )
+            input_ids, placement, stock, capturing=context.capturing, graph=context.graph,
+            embeds=inputs_embeds,
+        )  # fmt: skip
 
     def compute_logits(self, hidden_states):
         decode = self.glm5_specialized
@@ -103,9 +109,24 @@ def _bind(model, config):
 
 
 class Glm5NextForConditionalGeneration(_Configured, _ConditionalGeneration):
+    """vLLM builds the language model through its registry, so it is the plugin's
+    Glm5NextForCausalLM, which binds itself when its weights load (vLLM's weight loader calls
+    it). vLLM's wrapper calls the language model's inner `model` directly; this one calls
+    its forward, so the hooks see the step (with the wrapper's input embeddings)."""
+
+    bound = True
+
     def __init__(self, *, vllm_config, prefix: str = ""):
         self._configure(vllm_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kw):
+        language = self.language_model
+        if getattr(language, "glm5_specialized", None) is None:
+            return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kw)
+        if intermediate_tensors is not None:  # as vLLM's wrapper does
+            inputs_embeds = None
+        return language.forward(input_ids, positions, intermediate_tensors, inputs_embeds)
 
 
 class Glm5NextMTP(_Configured, _MTP):
