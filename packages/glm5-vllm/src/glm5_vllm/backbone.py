@@ -71,7 +71,7 @@ class VllmBackbone:
             Layer(i, layer.layer_kind, "moe" if layer._mlp_is_moe else "dense")
             for i, layer in enumerate(self.decoder.layers)
         )
-        self.draft_layers: tuple[Layer, ...] = ()  # the MTP drafter is bound separately
+        self.draft_layers: tuple[Layer, ...] = ()  # the MTP drafter is not bound: stock
         self._hc = config.hc_mult
         self._routes: dict[nn.Module, dict[int | None, Any]] = {}
 
