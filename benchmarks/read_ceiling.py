@@ -1,0 +1,133 @@
+"""How close to the HBM floor can one call that reads W bytes get, measured as the skinny
+GEMMs are (benchmarks/skinny_gemm.py: calls back to back in one CUDA graph over rotating
+copies that exceed 4x L2, median per call)? For weight sizes from 8 MB to the 1.27 GB LM
+head: a plain Triton streaming read (the best of several grid sizes and block widths), torch's
+reduction, the one-token GEMV of cuBLAS (`x @ wᵀ`) and glm5-kernels' Projection. The fraction
+of the floor a pure read reaches at a size is the ceiling any weight-streaming kernel of that
+size can reach under this method.
+
+    PYTHONPATH=packages/glm5-kernels/src python benchmarks/read_ceiling.py \\
+        --out benchmarks/results/read_ceiling_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from datetime import date
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).parent))
+from skinny_gemm import bandwidth, copies_for
+
+from glm5_kernels.gemm import Projection
+from glm5_kernels.timing import graph_calls_us
+
+K = 4096  # weights as [N, 4096] BF16 (the model's hidden size)
+SIZES_MB = (8, 16, 20, 24, 34, 48, 70, 100, 200, 400, 1270)
+
+
+@triton.jit
+def stream_read(w_ptr, out_ptr, n_elements, per_program, BLOCK: tl.constexpr):
+    """Each program sums its contiguous `per_program` elements (a read with no reuse)."""
+    pid = tl.program_id(0)
+    start = pid.to(tl.int64) * per_program
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for off in range(0, per_program, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        acc += tl.load(w_ptr + idx, mask=idx < n_elements, other=0.0).to(tl.float32)
+    tl.store(out_ptr + pid, tl.sum(acc))
+
+
+def read_fn(w: torch.Tensor, programs: int, block: int):
+    per = triton.cdiv(triton.cdiv(w.numel(), programs), block) * block
+    grid = (triton.cdiv(w.numel(), per),)
+    out = torch.empty(grid[0], dtype=torch.float32, device=w.device)
+
+    def fn():
+        stream_read[grid](w, out, w.numel(), per, BLOCK=block, num_warps=8)
+        return out
+
+    return fn, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out")
+    parser.add_argument("--commit", help="the code's commit, where this tree's git lacks it")
+    args = parser.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    bw = bandwidth()
+    peak = max(bw.values())
+    sms = props.multi_processor_count
+    print(f"{props.name}: read {bw['read'] / 1e12:.2f} TB/s, copy {bw['copy'] / 1e12:.2f} TB/s")
+    rows = []
+    for mb in SIZES_MB:
+        n = round(mb * 1e6 / (2 * K) / 64) * 64
+        nbytes = n * K * 2
+        copies = copies_for(nbytes, props.L2_cache_size)
+        ws = [torch.randn(n, K, device="cuda").bfloat16() for _ in range(copies)]
+        floor_us = nbytes / peak * 1e6
+        # The streaming read, checked against torch's sum, at its best grid / block width.
+        best = None
+        for programs in (sms, 2 * sms, 4 * sms, 8 * sms):
+            for block in (2048, 4096, 8192):
+                fns = []
+                for w in ws:
+                    fn, out = read_fn(w.view(-1), programs, block)
+                    fns.append(fn)
+                fn()
+                want = ws[-1].float().sum()
+                assert torch.allclose(out.double().sum(), want.double(), rtol=1e-3, atol=1.0)
+                us = graph_calls_us(fns)
+                if best is None or us < best[0]:
+                    best = (us, programs, block)
+        x = torch.randn(1, K, device="cuda").bfloat16()
+        torch_sum = graph_calls_us([lambda w=w: torch.sum(w, dtype=torch.float32) for w in ws])
+        cublas = graph_calls_us([lambda w=w, x=x: x @ w.T for w in ws])
+        projections = [Projection(w, [1]) for w in ws]
+        for p in projections:
+            p.prepare([1])
+        ours = graph_calls_us([lambda p=p, x=x: p(x) for p in projections])
+        row = {
+            "mb": nbytes / 1e6, "n": n, "k": K, "floor_us": floor_us,
+            "read_us": best[0], "read_programs": best[1], "read_block": best[2],
+            "torch_sum_us": torch_sum, "cublas_gemv_us": cublas, "projection_us": ours,
+        }  # fmt: skip
+        for key in ("read", "torch_sum", "cublas_gemv", "projection"):
+            row[f"{key}_fraction"] = floor_us / row[f"{key}_us"]
+        print(
+            f"{row['mb']:7.1f} MB floor {floor_us:7.1f} us | read {best[0]:7.1f} "
+            f"({row['read_fraction']:.0%}) sum {torch_sum:7.1f} ({row['torch_sum_fraction']:.0%}) "
+            f"cuBLAS {cublas:7.1f} ({row['cublas_gemv_fraction']:.0%}) ours {ours:7.1f} "
+            f"({row['projection_fraction']:.0%})",
+            flush=True,
+        )
+        rows.append(row)
+        del ws, projections
+        torch.cuda.empty_cache()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    result = {
+        "benchmark": "read_ceiling",
+        "gpu": props.name,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": date.today().isoformat(),
+        "commit": args.commit or commit.stdout.strip() or "unknown",
+        "command": "python benchmarks/read_ceiling.py",
+        "bandwidth_tbps": {k: v / 1e12 for k, v in bw.items()},
+        "rows": rows,
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
