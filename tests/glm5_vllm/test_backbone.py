@@ -58,13 +58,17 @@ def test_layers_and_weights_map_onto_vllms_parameters(built):
     b = _backbone(built)
     g = built[2].g
     assert [(x.attention, x.mlp) for x in b.layers] == [
-        ("kda", "dense" if t == "dense" else "moe") for t in g.mlp_layer_types
+        ("mla" if g.is_mla(i) else "kda", "dense" if t == "dense" else "moe")
+        for i, t in enumerate(g.mlp_layer_types)
     ]
+    assert {x.attention for x in b.layers} == {"kda", "mla"}
     assert b.shards == (0,) and b.hidden_size == g.hidden_size and b.aux_layers == ()
+    mla = ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "o_proj", "indexer.wq_b")
     names = ["lm_head.weight"]
     for i, t in enumerate(g.mlp_layer_types):
         p = f"layers.{i}"
-        names += [f"{p}.self_attn.{n}_proj.weight" for n in ("q", "k", "v", "o")]
+        projections = mla if g.is_mla(i) else ("q_proj", "k_proj", "v_proj", "o_proj")
+        names += [f"{p}.self_attn.{n}.weight" for n in projections]
         if t == "dense":
             names += [f"{p}.mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
         else:
@@ -79,7 +83,7 @@ def test_layers_and_weights_map_onto_vllms_parameters(built):
         assert any(w.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for p in params)
     # Unquantized here: no block scales; a name no module holds is None.
     assert b.weight(0, "layers.0.mlp.gate_proj.weight_scale_inv") is None
-    assert b.weight(0, "layers.0.self_attn.q_a_proj.weight") is None  # no MLA layer
+    assert b.weight(0, "layers.0.self_attn.q_a_proj.weight") is None  # a KDA layer
 
 
 def test_stock_operations_match_the_reference_backbone(built):
@@ -182,28 +186,34 @@ def test_model_binds_the_specialized_decode_and_runs_stock_when_unplanned(built,
     from glm5_vllm.metadata import step_context
 
     model = built[0]
-    kda = {"1-64": "gemm"}
-    config = DecodeConfig.build(max_context=64, q=2, capture_sizes=[2, 4], policy={"kda_proj": kda})
+    policy = {"kda_proj": {"1-64": "gemm"}, "dsa_proj": {"1-64": "split_k"}}
+    config = DecodeConfig.build(max_context=64, q=2, capture_sizes=[2, 4], policy=policy)
     model.glm5_decode = config
     decode = models._bind(model, config)
     assert isinstance(decode, SpecializedDecode) and isinstance(decode.backbone, VllmBackbone)
-    # The KDA projections of every layer are stage ops over views of vLLM's weights.
+    # The KDA and MLA / indexer projections of every layer are stage ops over views of vLLM's
+    # weights (the fused q_a | kv_a and q | k | v | ... projections by part).
+    g = built[2].g
+    mla = ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "o_proj", "indexer.wq_b")
     routed = {name for _, name, _ in decode.routes[2]}
     assert routed == {
-        f"layers.{i}.self_attn.{p}_proj.weight" for i in range(8) for p in ("q", "k", "v")
+        f"layers.{i}.self_attn.{p}.weight"
+        for i in range(g.num_hidden_layers)
+        for p in (mla if g.is_mla(i) else ("q_proj", "k_proj", "v_proj"))
     }
     decode.prepare()
     # Installed for a planned 2-token step, the Triton stage ops (the interpreter, here)
-    # serve vLLM's fused KDA input projection; uninstalled, vLLM's own GEMM again.
-    in_proj = model.model.layers[5].self_attn.in_proj_qkvbfg_a
+    # serve vLLM's fused projections; uninstalled, vLLM's own GEMMs again.
     x = torch.randn(2, b_hidden(model), generator=torch.Generator().manual_seed(2)).bfloat16()
-    with torch.no_grad():
-        stock = in_proj(x)[0]
-        with decode.installed(2):
-            assert "forward" in vars(in_proj)
-            routed_out = in_proj(x)[0]
-        assert "forward" not in vars(in_proj)
-    assert _rel(routed_out, stock) < 2**-8  # BF16 output rounding of a different summation
+    layers = model.model.layers
+    for fused in (layers[5].self_attn.in_proj_qkvbfg_a, layers[3].self_attn.fused_qkv_a_proj):
+        with torch.no_grad():
+            stock = fused(x)[0]
+            with decode.installed(2):
+                assert "forward" in vars(fused)
+                routed_out = fused(x)[0]
+            assert "forward" not in vars(fused)
+        assert _rel(routed_out, stock) < 2**-8  # BF16 output rounding of another summation
     calls = []
     monkeypatch.setattr(Stock, "forward", lambda self, *a, **k: calls.append(a) or "stock")
     model.glm5_specialized, model._glm5_prepared = decode, True

@@ -22,9 +22,11 @@ HC = re.compile(r"\.(attn|ffn)_hc\.(fn|base|scale)$")
 
 
 def tiny_geometry():
+    """Eight layers: KDA, with MLA + DSA at 3, 4 and 7; dense MLPs at 0-2, MoE after. Every
+    indexer "full", as in the real checkpoint (vLLM builds an indexer in every MLA layer)."""
     return geometry(
-        "tiny", layer_types=("linear_attention",) * 8, hidden_size=128,
-        moe_intermediate_size=128, num_nextn_predict_layers=0,
+        "tiny", hidden_size=128, moe_intermediate_size=128, num_nextn_predict_layers=0,
+        indexer_types=("full",) * 8,
     )  # fmt: skip
 
 
@@ -63,8 +65,21 @@ def build(folder, additional_config=None):
     import vllm.platforms
     from vllm.platforms.cpu import CpuPlatform
 
+    class CpuBuildingSparseMla(CpuPlatform):
+        """vLLM's CPU platform, except that a sparse-MLA layer gets FlashMLA-sparse's
+        backend instead of a refusal: enough to build and load the layer (its attention
+        never runs here)."""
+
+        @classmethod
+        def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+            if attn_selector_config.use_sparse:
+                from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+                return AttentionBackendEnum.FLASHMLA_SPARSE.get_path()
+            return super().get_attn_backend_cls(selected_backend, attn_selector_config, num_heads)
+
     # First: modules imported below read the current platform when they load.
-    vllm.platforms._current_platform = CpuPlatform()
+    vllm.platforms._current_platform = CpuBuildingSparseMla()
     from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state
     from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
@@ -76,6 +91,7 @@ def build(folder, additional_config=None):
     config.update(
         architectures=["Glm5NextForCausalLM"], mhc=True, topk_method="noaux_tc",
         scoring_func="sigmoid", mla_use_nope=True, num_nextn_predict_layers=0,
+        indexer_rope_interleave=False,
     )  # fmt: skip
     (folder / "config.json").write_text(json.dumps(config))
     model_config = ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="bfloat16")
@@ -92,6 +108,10 @@ def build(folder, additional_config=None):
                 distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
             )  # fmt: skip
             parallel_state.initialize_model_parallel(1, 1)
+        from vllm.v1.worker import workspace
+
+        if workspace._manager is None:  # the sparse-MLA backend reserves its buffers here
+            workspace.init_workspace_manager(torch.device("cpu"))
         default = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)
         try:
