@@ -1,11 +1,12 @@
-"""A real vLLM 0.33 Glm5NextForCausalLM built on CPU for a tiny KDA-only geometry, its
-weights loaded through vLLM's own `load_weights` from the reference's random checkpoint
-(renamed to the checkpoint's names, FP8 blocks dequantized: vLLM's CPU build has no FP8
-linear), beside the reference model over the same weights.
+"""A real vLLM 0.33 Glm5NextForCausalLM built on CPU for a tiny geometry (KDA and MLA + DSA
+layers, dense and MoE MLPs), its weights loaded through vLLM's own `load_weights` from the
+reference's random checkpoint (renamed to the checkpoint's names, FP8 blocks dequantized:
+vLLM's CPU build has no FP8 linear), beside the reference model over the same weights.
 
-Where vLLM stops on CPU (README): building needs vLLM's CpuPlatform as the current
-platform and the checkpoint fields transformers' config lacks; MLA layers refuse CPU, so the
-geometry is KDA-only; KDA attention itself needs Triton GPU kernels, so it is not run here."""
+Where vLLM stops on CPU (README): building needs vLLM's CpuPlatform as the current platform
+and the checkpoint fields transformers' config lacks; the CPU platform refuses sparse MLA, so
+MLA layers get FlashMLA-sparse's backend here, to be built and loaded, never run; KDA attention
+needs Triton GPU kernels, so it is not run either."""
 
 from __future__ import annotations
 
@@ -90,7 +91,8 @@ def build(folder, additional_config=None):
     config = g.to_hf().to_dict()
     config.update(
         architectures=["Glm5NextForCausalLM"], mhc=True, topk_method="noaux_tc",
-        scoring_func="sigmoid", mla_use_nope=True, num_nextn_predict_layers=0,
+        scoring_func="sigmoid", mla_use_nope=True,
+        num_nextn_predict_layers=g.num_nextn_predict_layers,
         indexer_rope_interleave=False,
     )  # fmt: skip
     (folder / "config.json").write_text(json.dumps(config))
