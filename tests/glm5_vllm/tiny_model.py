@@ -22,11 +22,12 @@ from glm5_runtime.reference.weights import dequantized, random_state_dict
 HC = re.compile(r"\.(attn|ffn)_hc\.(fn|base|scale)$")
 
 
-def tiny_geometry():
-    """Eight layers: KDA, with MLA + DSA at 3, 4 and 7; dense MLPs at 0-2, MoE after. Every
-    indexer "full", as in the real checkpoint (vLLM builds an indexer in every MLA layer)."""
+def tiny_geometry(mtp_layers=0):
+    """Eight layers: KDA, with MLA + DSA at 3, 4 and 7; dense MLPs at 0-2, MoE after; MTP
+    layers (MLA + MoE) from 8. Every indexer "full", as in the real checkpoint (vLLM builds
+    an indexer in every MLA layer)."""
     return geometry(
-        "tiny", hidden_size=128, moe_intermediate_size=128, num_nextn_predict_layers=0,
+        "tiny", hidden_size=128, moe_intermediate_size=128, num_nextn_predict_layers=mtp_layers,
         indexer_types=("full",) * 8,
     )  # fmt: skip
 
@@ -60,9 +61,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def build(folder, additional_config=None):
-    """(vLLM model, VllmConfig, reference model over the FP8 checkpoint, the HF-named FP32
-    state dict vLLM loaded)."""
+def _cpu_platform():
     import vllm.platforms
     from vllm.platforms.cpu import CpuPlatform
 
@@ -79,15 +78,30 @@ def build(folder, additional_config=None):
                 return AttentionBackendEnum.FLASHMLA_SPARSE.get_path()
             return super().get_attn_backend_cls(selected_backend, attn_selector_config, num_heads)
 
-    # First: modules imported below read the current platform when they load.
+    # First: modules imported later read the current platform when they load.
     vllm.platforms._current_platform = CpuBuildingSparseMla()
-    from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
+
+
+def build(folder, additional_config=None, draft=False):
+    """(vLLM model, VllmConfig, reference model over the FP8 checkpoint, the HF-named FP32
+    state dict vLLM loaded). `draft`: the checkpoint gains an MTP layer and the model is
+    vLLM's MTP drafter for it (the speculative config needs the checkpoint's top-level
+    "glm5_next" config, whose text config is the model's)."""
+    _cpu_platform()
+    from vllm.config import (
+        DeviceConfig,
+        ModelConfig,
+        ParallelConfig,
+        SpeculativeConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
     from vllm.distributed import parallel_state
     from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
-    from glm5_vllm.models import Glm5NextForCausalLM
+    from glm5_vllm.models import Glm5NextForCausalLM, Glm5NextMTP
 
-    g = tiny_geometry()
+    g = tiny_geometry(1 if draft else 0)
     config = g.to_hf().to_dict()
     config.update(
         architectures=["Glm5NextForCausalLM"], mhc=True, topk_method="noaux_tc",
@@ -95,11 +109,22 @@ def build(folder, additional_config=None):
         num_nextn_predict_layers=g.num_nextn_predict_layers,
         indexer_rope_interleave=False,
     )  # fmt: skip
+    if draft:
+        from transformers import Glm5NextConfig
+
+        config = {**Glm5NextConfig().to_dict(), "text_config": config}
+        config["architectures"] = ["Glm5NextForCausalLM"]
     (folder / "config.json").write_text(json.dumps(config))
     model_config = ModelConfig(model=str(folder), skip_tokenizer_init=True, dtype="bfloat16")
+    speculative = None
+    if draft:
+        speculative = SpeculativeConfig(
+            method="mtp", num_speculative_tokens=1, target_model_config=model_config,
+            target_parallel_config=ParallelConfig(),
+        )  # fmt: skip
     vllm_config = VllmConfig(
         model_config=model_config, device_config=DeviceConfig(device="cpu"),
-        additional_config=additional_config or {},
+        additional_config=additional_config or {}, speculative_config=speculative,
     )  # fmt: skip
     fp8 = random_state_dict(g, seed=3)
     sd = dequantized(fp8)
@@ -117,10 +142,13 @@ def build(folder, additional_config=None):
         default = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)
         try:
-            model = Glm5NextForCausalLM(vllm_config=vllm_config, prefix="")
+            cls = Glm5NextMTP if draft else Glm5NextForCausalLM
+            model = cls(vllm_config=vllm_config, prefix="")
         finally:
             torch.set_default_dtype(default)
         model.load_weights(iter(checkpoint(sd).items()))
+        if draft:  # vLLM's proposer shares the target's embedding with the drafter
+            model.model.embed_tokens.weight.data.copy_(sd["embed_tokens.weight"])
         # What vLLM's loader does next for the linears and embeddings (CPU linears pick
         # their GEMM here); the fused-MoE CPU method's needs vLLM's CPU build (not run).
         for module in model.modules():

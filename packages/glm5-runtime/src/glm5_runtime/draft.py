@@ -44,20 +44,33 @@ class SpecializedDraft(LayerStages):
         context = StepContext(b.tokens(placement), capturing, graph, rows=b.draft_rows(placement))
         return plan_draft(context, self.batches, self.q)
 
-    def run(self, step: Step, k: int, tokens: Tensor, hidden: Tensor, placement: Any) -> Tensor:
+    def run(
+        self,
+        step: Step,
+        k: int,
+        tokens: Tensor | None,
+        hidden: Tensor,
+        placement: Any,
+        embeds: Tensor | None = None,
+        sampled_only: bool = True,
+    ) -> Tensor:
         """MTP layer k (the drafter picks it round-robin by step) on (token, previous hidden)
-        pairs [R, T] / [R, T, D]: the draft hidden
-        states after the shared head norm, [R, 1, D] for a draft prefill (T = q > 1: each
-        request's last row, the one the drafter samples), else [R, T, D]."""
+        pairs ([R, T] / [R, T, D], or flat [N] / [N, D]; `embeds` may stand in for the
+        tokens): the draft hidden states after the shared head norm. A draft prefill (q > 1)
+        with `sampled_only` carries only each request's last row past the attention and
+        returns [R, 1, D] — the row the drafter samples when every request's rows are kept;
+        otherwise every row goes on (a caller that samples other rows, as vLLM's proposer
+        after rejections does)."""
         b = self.backbone
         layer = self.layers[k]
         p = f"layers.{layer.index}"
         with self.installed(step.tokens):
-            x = b.draft_input(k, tokens, hidden, placement)
+            x = b.draft_input(k, tokens, hidden, placement, embeds)
             x = b.linear(b.shards[0], f"{p}.eh_proj.weight", x)  # replicated: one shard's
             a = self.attention(layer, b.norm(f"{p}.input_layernorm.weight", x), placement)
-            if step.q > 1:  # only the sampled rows go on
-                x, a = x[:, -1:], a[:, -1:]
+            if step.q > 1 and sampled_only:  # only the sampled rows go on
+                x = x.reshape(-1, step.q, x.shape[-1])[:, -1:]
+                a = a.reshape(-1, step.q, a.shape[-1])[:, -1:]
             x = x + a
             x = x + self.mlp(layer, b.norm(f"{p}.post_attention_layernorm.weight", x))
             return b.norm(f"{p}.shared_head.norm.weight", x)

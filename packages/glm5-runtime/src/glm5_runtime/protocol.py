@@ -98,9 +98,11 @@ class Backbone(Protocol):
         """The draft step's metadata as row counts (a draft prefill of q tokens per request
         is filed like a uniform verify, as vLLM's FULL-graph drafter builds it)."""
 
-    def draft_input(self, k: int, tokens: Tensor, hidden: Tensor, placement: Any) -> Tensor:
+    def draft_input(
+        self, k: int, tokens: Tensor | None, hidden: Tensor, placement: Any, embeds=None
+    ) -> Tensor:
         """MTP layer k's eh_proj input [R, T, 2D]: enorm(embedding, zeroed at position 0)
-        beside hnorm(previous hidden states)."""
+        beside hnorm(previous hidden states); `embeds`, when given, are the embedding."""
 
     def linear(self, shard: int, name: str, x: Tensor) -> Tensor:
         """Shard's stock linear of weight `name` (routes apply)."""

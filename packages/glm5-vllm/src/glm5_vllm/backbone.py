@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from glm5_runtime.plan import Rows, StepContext
 from glm5_runtime.protocol import Layer
 
-__all__ = ["VllmBackbone", "VllmStep"]
+__all__ = ["VllmBackbone", "VllmDraftBackbone", "VllmStep"]
 
 # HF projection name -> (vLLM's fused module, its part).
 FUSED = {
@@ -71,7 +71,7 @@ class VllmBackbone:
             Layer(i, layer.layer_kind, "moe" if layer._mlp_is_moe else "dense")
             for i, layer in enumerate(self.decoder.layers)
         )
-        self.draft_layers: tuple[Layer, ...] = ()  # the MTP drafter is not bound: stock
+        self.draft_layers: tuple[Layer, ...] = ()  # vLLM's drafter: VllmDraftBackbone
         self._hc = config.hc_mult
         self._routes: dict[nn.Module, dict[int | None, Any]] = {}
 
@@ -174,8 +174,8 @@ class VllmBackbone:
             logits = all_gather(logits)
         return logits[..., : self.config.vocab_size]  # vocab padding off
 
-    def draft_input(self, k: int, tokens: Tensor, hidden: Tensor, placement: Any) -> Tensor:
-        raise RuntimeError("glm5-vllm: the MTP drafter is not bound to the specialized decode")
+    def draft_input(self, k, tokens, hidden, placement, embeds=None) -> Tensor:
+        raise RuntimeError("glm5-vllm: the target model has no MTP layers (VllmDraftBackbone)")
 
     def linear(self, shard: int, name: str, x: Tensor) -> Tensor:
         module = self._module(name.removesuffix(".weight"))
@@ -208,14 +208,76 @@ class VllmBackbone:
             del self._routes[module]
 
 
+class VllmDraftBackbone(VllmBackbone):
+    """A loaded vLLM Glm5NextMTP (its MTP layers: eh_proj over [enorm(embedding),
+    hnorm(hidden)], then an MLA + MoE block, then the shared head norm) as a backbone whose
+    `draft_layers` are those layers, named as in the checkpoint (`layers.{45 + k}.*`)."""
+
+    def __init__(self, model: nn.Module):
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        self.model, self.decoder = model, model.model
+        config = model.config
+        self.config = config
+        self.shards = (get_tensor_model_parallel_rank(),)
+        self.hidden_size = config.hidden_size
+        self.swiglu_limit = float(config.swiglu_limit)
+        self.ue8m0 = _ue8m0_activations()
+        self.aux_layers = ()
+        self.layers = ()
+        start = self.decoder.mtp_start_layer_idx
+        self._mtp = {start + k: layer for k, layer in enumerate(self.decoder._mtp_layers)}
+        self.draft_layers = tuple(
+            Layer(i, "mla", "moe" if m.mtp_block._mlp_is_moe else "dense")
+            for i, m in self._mtp.items()
+        )
+        self._routes = {}
+
+    def _module(self, path: str) -> nn.Module | None:
+        head, _, rest = path.partition(".")
+        index, _, rest = rest.partition(".")
+        if head != "layers" or not index.isdigit() or int(index) not in self._mtp:
+            return super()._module(path)  # embed_tokens
+        layer = self._mtp[int(index)]
+        own = rest.split(".")[0] in ("eh_proj", "enorm", "hnorm", "shared_head")
+        try:
+            return (layer if own else layer.mtp_block).get_submodule(rest)
+        except AttributeError:
+            return None
+
+    def draft_input(self, k, tokens, hidden, placement, embeds=None) -> Tensor:
+        """cat([enorm(embedding zeroed at position 0), hnorm(hidden)]): on the GPU vLLM's
+        own fused kernel (as its MTP layer calls it); elsewhere the layer's two RMSNorm
+        modules (the kernel is Triton-on-GPU only)."""
+        layer = self.decoder._mtp_layers[k]
+        if embeds is None:
+            embeds = self.decoder.embed_tokens(tokens)
+        if embeds.is_cuda:
+            from vllm.models.glm5next.nvidia.ops.fused_eh_norm import fused_eh_norm
+
+            return fused_eh_norm(
+                placement.positions, embeds, hidden, layer.enorm.weight, layer.hnorm.weight,
+                layer.enorm.variance_epsilon,
+            )  # fmt: skip
+        keep = (placement.positions != 0)[..., None].to(embeds.dtype)
+        return torch.cat([layer.enorm(embeds * keep), layer.hnorm(hidden)], dim=-1)
+
+    def attention(self, shard: int, layer: int, x: Tensor, placement: VllmStep) -> Tensor:
+        block = self._mtp[layer].mtp_block
+        return block.self_attn(hidden_states=x, positions=placement.positions)
+
+    def mlp(self, shard: int, layer: int, x: Tensor) -> Tensor:
+        return self._mtp[layer].mtp_block.mlp(x)
+
+
 def _routed_forward(module: nn.Module, ops: dict[int | None, Any]):
     from vllm.distributed import get_tensor_model_parallel_world_size
     from vllm.distributed import tensor_model_parallel_all_reduce as all_reduce
     from vllm.model_executor.layers.linear import LinearBase
 
     tp = get_tensor_model_parallel_world_size()
-    linear = isinstance(module, LinearBase)
-    returns_bias = linear and getattr(module, "return_bias", True)
+    linear = isinstance(module, (LinearBase, nn.Linear))  # nn.Linear: the MTP eh_proj
+    returns_bias = isinstance(module, LinearBase) and getattr(module, "return_bias", True)
     out_dtype = getattr(module, "out_dtype", None)
     if linear:
         reduce = tp > 1 and getattr(module, "reduce_results", False)

@@ -9,7 +9,7 @@ profile run, before any CUDA graph), and then every forward asks the plan: a pla
 (a FULL-graph capture of a uniform decode or verify) runs the specialized layer loop, every
 other step vLLM's forward; compute_logits takes the skinny LM head where the policy picks it.
 Glm5NextForConditionalGeneration runs its language model's hooks with the input
-embeddings it computed. The MTP drafter is not bound yet: it runs stock."""
+embeddings it computed; Glm5NextMTP binds SpecializedDraft to its MTP layers the same way."""
 
 from __future__ import annotations
 
@@ -28,25 +28,15 @@ logger = logging.getLogger("glm5_vllm")
 
 
 class _Configured:
-    bound = False  # whether this class binds the specialized decode
-
     def _configure(self, vllm_config) -> None:
         # Before the modules are built: a requested but unsupported deployment fails here,
         # with every reason, instead of after loading weights.
         self.glm5_decode = specialized_decode_config(vllm_config)
-        self.glm5_specialized = None
+        self.glm5_specialized = None  # bound when the weights load
         self._glm5_prepared = False
-        if self.glm5_decode is not None and not self.bound:
-            logger.warning(
-                "GLM-5.3-Flash specialized decode requested; glm5-vllm %s does not bind it "
-                "to %s, which runs vLLM's stock forward",
-                __import__("glm5_vllm").__version__, type(self).__name__,
-            )  # fmt: skip
 
 
 class Glm5NextForCausalLM(_Configured, _CausalLM):
-    bound = True
-
     def __init__(self, *, vllm_config, prefix: str = ""):
         self._configure(vllm_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -114,8 +104,6 @@ class Glm5NextForConditionalGeneration(_Configured, _ConditionalGeneration):
     it). vLLM's wrapper calls the language model's inner `model` directly; this one calls
     its forward, so the hooks see the step (with the wrapper's input embeddings)."""
 
-    bound = True
-
     def __init__(self, *, vllm_config, prefix: str = ""):
         self._configure(vllm_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -130,6 +118,65 @@ class Glm5NextForConditionalGeneration(_Configured, _ConditionalGeneration):
 
 
 class Glm5NextMTP(_Configured, _MTP):
+    """The MTP drafter: SpecializedDraft over its own layers (`VllmDraftBackbone`), bound
+    when its weights load; FULL-graph captures of draft decodes (one token per request) and
+    uniform draft prefills (q per request) run planned, with every row carried on (vLLM's
+    proposer samples rows of its choosing from the [N, D] output)."""
+
     def __init__(self, *, vllm_config, prefix: str = ""):
         self._configure(vllm_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
+
+    def load_weights(self, weights):
+        loaded = super().load_weights(weights)
+        if self.glm5_decode is not None:
+            self.glm5_specialized = _bind_draft(self, self.glm5_decode)
+        return loaded
+
+    def forward(
+        self, input_ids, positions, hidden_states, intermediate_tensors=None,
+        inputs_embeds=None, spec_step_idx: int = 0,
+    ):  # fmt: skip
+        def stock():
+            return super(Glm5NextMTP, self).forward(
+                input_ids, positions, hidden_states, intermediate_tensors, inputs_embeds,
+                spec_step_idx,
+            )  # fmt: skip
+
+        draft = self.glm5_specialized
+        if draft is None or (input_ids is None and inputs_embeds is None):
+            return stock()
+        from .backbone import VllmStep
+
+        context = step_context(positions.shape[-1])
+        if not self._glm5_prepared:
+            if context.capturing:
+                return stock()
+            draft.prepare()
+            self._glm5_prepared = True
+        placement = VllmStep(positions, context)
+        decision = draft.plan(placement, context.capturing, context.graph)
+        if decision.step is None:
+            return stock()
+        k = spec_step_idx % len(draft.layers)
+        return draft.run(
+            decision.step, k, input_ids, hidden_states, placement, embeds=inputs_embeds,
+            sampled_only=False,
+        )  # fmt: skip
+
+
+def _bind_draft(model, config):
+    """SpecializedDraft over the MTP model's own modules; on any failure one warning and
+    None (vLLM's stock drafter runs)."""
+    try:
+        from glm5_runtime.draft import SpecializedDraft
+
+        from .backbone import VllmDraftBackbone
+
+        return SpecializedDraft(VllmDraftBackbone(model), config)
+    except Exception as e:  # a missing kernel toolchain, an unexpected module layout
+        logger.warning(
+            "GLM-5.3-Flash specialized draft not bound (%s: %s); vLLM's stock drafter runs",
+            type(e).__name__, e,
+        )  # fmt: skip
+        return None

@@ -79,9 +79,12 @@ class ReferenceBackbone:
             out[f"{p}.indexer"] = Rows(decodes=requests, decode_tokens=n, indexer=True)
         return out
 
-    def draft_input(self, k: int, tokens: Tensor, hidden: Tensor, placement: Step) -> Tensor:
+    def draft_input(
+        self, k: int, tokens: Tensor | None, hidden: Tensor, placement: Step, embeds=None
+    ) -> Tensor:
         p = f"layers.{self.model.mtp_layers[k]}"
-        embedded = self.embed(tokens) * (placement.positions != 0)[..., None].to(hidden.dtype)
+        embedded = self.embed(tokens) if embeds is None else embeds
+        embedded = embedded * (placement.positions != 0)[..., None].to(hidden.dtype)
         e = self.norm(f"{p}.enorm.weight", embedded)
         return torch.cat([e, self.norm(f"{p}.hnorm.weight", hidden)], dim=-1)
 
