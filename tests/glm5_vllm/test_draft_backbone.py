@@ -101,7 +101,7 @@ def test_mtp_model_binds_the_specialized_draft_and_runs_stock_when_unplanned(bui
     config = DecodeConfig.build(
         max_context=64, q=2, capture_sizes=[1, 2, 4], policy={"dsa_proj": {"1-64": "split_k"}}
     )
-    draft = models._bind_draft(model, config)
+    draft = models._bind(model, config, draft=True)
     assert isinstance(draft, SpecializedDraft)
     routed = {name for _, name, _ in draft.routes[2]}
     assert routed == {f"layers.{mtp}.eh_proj.weight"} | {

@@ -81,19 +81,23 @@ class Glm5NextForCausalLM(_Configured, _CausalLM):
         return super().compute_logits(hidden_states)
 
 
-def _bind(model, config):
-    """SpecializedDecode over the model's own modules; on any failure one warning and
-    None (vLLM's stock forward runs)."""
+def _bind(model, config, draft: bool = False):
+    """SpecializedDecode (or, for the MTP drafter, SpecializedDraft) over the model's own
+    modules; on any failure one warning and None (vLLM's stock forward runs)."""
     try:
-        from glm5_runtime.decode import SpecializedDecode
+        if draft:
+            from glm5_runtime.draft import SpecializedDraft as Specialized
 
-        from .backbone import VllmBackbone
+            from .backbone import VllmDraftBackbone as Backbone
+        else:
+            from glm5_runtime.decode import SpecializedDecode as Specialized
 
-        return SpecializedDecode(VllmBackbone(model), config)
+            from .backbone import VllmBackbone as Backbone
+        return Specialized(Backbone(model), config)
     except Exception as e:  # a missing kernel toolchain, an unexpected module layout
         logger.warning(
-            "GLM-5.3-Flash specialized decode not bound (%s: %s); vLLM's stock forward runs",
-            type(e).__name__, e,
+            "GLM-5.3-Flash specialized %s not bound (%s: %s); vLLM's stock forward runs",
+            "draft" if draft else "decode", type(e).__name__, e,
         )  # fmt: skip
         return None
 
@@ -130,7 +134,7 @@ class Glm5NextMTP(_Configured, _MTP):
     def load_weights(self, weights):
         loaded = super().load_weights(weights)
         if self.glm5_decode is not None:
-            self.glm5_specialized = _bind_draft(self, self.glm5_decode)
+            self.glm5_specialized = _bind(self, self.glm5_decode, draft=True)
         return loaded
 
     def forward(
@@ -163,20 +167,3 @@ class Glm5NextMTP(_Configured, _MTP):
             decision.step, k, input_ids, hidden_states, placement, embeds=inputs_embeds,
             sampled_only=False,
         )  # fmt: skip
-
-
-def _bind_draft(model, config):
-    """SpecializedDraft over the MTP model's own modules; on any failure one warning and
-    None (vLLM's stock drafter runs)."""
-    try:
-        from glm5_runtime.draft import SpecializedDraft
-
-        from .backbone import VllmDraftBackbone
-
-        return SpecializedDraft(VllmDraftBackbone(model), config)
-    except Exception as e:  # a missing kernel toolchain, an unexpected module layout
-        logger.warning(
-            "GLM-5.3-Flash specialized draft not bound (%s: %s); vLLM's stock drafter runs",
-            type(e).__name__, e,
-        )  # fmt: skip
-        return None
