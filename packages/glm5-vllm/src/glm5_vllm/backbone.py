@@ -66,14 +66,18 @@ class VllmBackbone:
         self.hidden_size = config.hidden_size
         self.swiglu_limit = float(config.swiglu_limit)
         self.ue8m0 = _ue8m0_activations()
-        self.aux_layers = tuple(getattr(self.decoder, "aux_hidden_state_layers", ()) or ())
-        self.layers = tuple(
+        self.aux_layers, self.layers, self.draft_layers = self._layer_lists()
+        self._hc = config.hc_mult
+        self._routes: dict[nn.Module, dict[int | None, Any]] = {}
+
+    def _layer_lists(self) -> tuple[tuple[int, ...], tuple[Layer, ...], tuple[Layer, ...]]:
+        """(aux hidden-state layers, decoder layers, draft layers): the target model's
+        (vLLM's drafter is a model of its own: VllmDraftBackbone)."""
+        layers = tuple(
             Layer(i, layer.layer_kind, "moe" if layer._mlp_is_moe else "dense")
             for i, layer in enumerate(self.decoder.layers)
         )
-        self.draft_layers: tuple[Layer, ...] = ()  # vLLM's drafter: VllmDraftBackbone
-        self._hc = config.hc_mult
-        self._routes: dict[nn.Module, dict[int | None, Any]] = {}
+        return tuple(getattr(self.decoder, "aux_hidden_state_layers", ()) or ()), layers, ()
 
     # Weights.
     def _module(self, path: str) -> nn.Module | None:
@@ -214,24 +218,17 @@ class VllmDraftBackbone(VllmBackbone):
     `draft_layers` are those layers, named as in the checkpoint (`layers.{45 + k}.*`)."""
 
     def __init__(self, model: nn.Module):
-        from vllm.distributed import get_tensor_model_parallel_rank
+        predictor = model.model
+        start = predictor.mtp_start_layer_idx
+        self._mtp = {start + k: layer for k, layer in enumerate(predictor._mtp_layers)}
+        super().__init__(model)
 
-        self.model, self.decoder = model, model.model
-        config = model.config
-        self.config = config
-        self.shards = (get_tensor_model_parallel_rank(),)
-        self.hidden_size = config.hidden_size
-        self.swiglu_limit = float(config.swiglu_limit)
-        self.ue8m0 = _ue8m0_activations()
-        self.aux_layers = ()
-        self.layers = ()
-        start = self.decoder.mtp_start_layer_idx
-        self._mtp = {start + k: layer for k, layer in enumerate(self.decoder._mtp_layers)}
-        self.draft_layers = tuple(
+    def _layer_lists(self):
+        draft = tuple(
             Layer(i, "mla", "moe" if m.mtp_block._mlp_is_moe else "dense")
             for i, m in self._mtp.items()
         )
-        self._routes = {}
+        return (), (), draft
 
     def _module(self, path: str) -> nn.Module | None:
         head, _, rest = path.partition(".")

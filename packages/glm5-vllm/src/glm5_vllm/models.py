@@ -19,6 +19,7 @@ from vllm.models.glm5next import Glm5NextForCausalLM as _CausalLM
 from vllm.models.glm5next import Glm5NextForConditionalGeneration as _ConditionalGeneration
 from vllm.models.glm5next import Glm5NextMTP as _MTP
 
+from .backbone import VllmBackbone, VllmDraftBackbone, VllmStep
 from .config import specialized_decode_config
 from .metadata import step_context
 
@@ -36,16 +37,20 @@ class _Configured:
         self._glm5_prepared = False
 
 
-class Glm5NextForCausalLM(_Configured, _CausalLM):
-    def __init__(self, *, vllm_config, prefix: str = ""):
-        self._configure(vllm_config)
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
+class _Binds(_Configured):
+    _draft = False  # binds SpecializedDraft (the MTP drafter) instead of SpecializedDecode
 
     def load_weights(self, weights):
         loaded = super().load_weights(weights)
         if self.glm5_decode is not None:
-            self.glm5_specialized = _bind(self, self.glm5_decode)
+            self.glm5_specialized = _bind(self, self.glm5_decode, draft=self._draft)
         return loaded
+
+
+class Glm5NextForCausalLM(_Binds, _CausalLM):
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        self._configure(vllm_config)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kw):
         def stock(*_):
@@ -58,8 +63,6 @@ class Glm5NextForCausalLM(_Configured, _CausalLM):
             return stock()
         if input_ids is None and inputs_embeds is None:
             return stock()
-        from .backbone import VllmStep
-
         # positions: [T], or [3, T] with a multimodal model's M-RoPE
         tokens = positions.shape[-1]
         context = step_context(tokens, aux_layers=decode.backbone.aux_layers)
@@ -88,12 +91,12 @@ def _bind(model, config, draft: bool = False):
         if draft:
             from glm5_runtime.draft import SpecializedDraft as Specialized
 
-            from .backbone import VllmDraftBackbone as Backbone
+            backbone = VllmDraftBackbone
         else:
             from glm5_runtime.decode import SpecializedDecode as Specialized
 
-            from .backbone import VllmBackbone as Backbone
-        return Specialized(Backbone(model), config)
+            backbone = VllmBackbone
+        return Specialized(backbone(model), config)
     except Exception as e:  # a missing kernel toolchain, an unexpected module layout
         logger.warning(
             "GLM-5.3-Flash specialized %s not bound (%s: %s); vLLM's stock forward runs",
@@ -121,21 +124,17 @@ class Glm5NextForConditionalGeneration(_Configured, _ConditionalGeneration):
         return language.forward(input_ids, positions, intermediate_tensors, inputs_embeds)
 
 
-class Glm5NextMTP(_Configured, _MTP):
+class Glm5NextMTP(_Binds, _MTP):
     """The MTP drafter: SpecializedDraft over its own layers (`VllmDraftBackbone`), bound
     when its weights load; FULL-graph captures of draft decodes (one token per request) and
     uniform draft prefills (q per request) run planned, with every row carried on (vLLM's
     proposer samples rows of its choosing from the [N, D] output)."""
 
+    _draft = True
+
     def __init__(self, *, vllm_config, prefix: str = ""):
         self._configure(vllm_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-
-    def load_weights(self, weights):
-        loaded = super().load_weights(weights)
-        if self.glm5_decode is not None:
-            self.glm5_specialized = _bind(self, self.glm5_decode, draft=True)
-        return loaded
 
     def forward(
         self, input_ids, positions, hidden_states, intermediate_tensors=None,
@@ -150,8 +149,6 @@ class Glm5NextMTP(_Configured, _MTP):
         draft = self.glm5_specialized
         if draft is None or (input_ids is None and inputs_embeds is None):
             return stock()
-        from .backbone import VllmStep
-
         context = step_context(positions.shape[-1])
         if not self._glm5_prepared:
             if context.capturing:
