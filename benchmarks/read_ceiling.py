@@ -6,6 +6,12 @@ reduction, the one-token GEMV of cuBLAS (`x @ wᵀ`) and glm5-kernels' Projectio
 of the floor a pure read reaches at a size is the ceiling any weight-streaming kernel of that
 size can reach under this method.
 
+The read is also timed under programmatic dependent launch (PDL), each call releasing its
+successor at entry: "dependent" waits for its predecessor before reading, as a GEMM must
+(its activations come from the predecessor) — the launch overlaps, the read does not;
+"independent" waits only before its store, so successive reads overlap — a ceiling only a
+kernel whose reads need nothing from its predecessor (a weight prefetch) could approach.
+
     PYTHONPATH=packages/glm5-kernels/src python benchmarks/read_ceiling.py \\
         --out benchmarks/results/read_ceiling_h200.json
 """
@@ -22,6 +28,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, str(Path(__file__).parent))
 from skinny_gemm import bandwidth, copies_for
@@ -34,24 +41,33 @@ SIZES_MB = (8, 16, 20, 24, 34, 48, 70, 100, 200, 400, 1270)
 
 
 @triton.jit
-def stream_read(w_ptr, out_ptr, n_elements, per_program, BLOCK: tl.constexpr):
-    """Each program sums its contiguous `per_program` elements (a read with no reuse)."""
+def stream_read(w_ptr, out_ptr, n_elements, per_program, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Each program sums its contiguous `per_program` elements (a read with no reuse).
+    PDL: 0 off, 1 dependent (wait, then read), 2 independent (read, then wait to store)."""
+    if PDL:
+        gdc_launch_dependents()
+    if PDL == 1:
+        gdc_wait()
     pid = tl.program_id(0)
     start = pid.to(tl.int64) * per_program
     acc = tl.zeros((BLOCK,), tl.float32)
     for off in range(0, per_program, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         acc += tl.load(w_ptr + idx, mask=idx < n_elements, other=0.0).to(tl.float32)
+    if PDL == 2:
+        gdc_wait()
     tl.store(out_ptr + pid, tl.sum(acc))
 
 
-def read_fn(w: torch.Tensor, programs: int, block: int):
+def read_fn(w: torch.Tensor, programs: int, block: int, pdl: int = 0):
     per = triton.cdiv(triton.cdiv(w.numel(), programs), block) * block
     grid = (triton.cdiv(w.numel(), per),)
     out = torch.empty(grid[0], dtype=torch.float32, device=w.device)
 
     def fn():
-        stream_read[grid](w, out, w.numel(), per, BLOCK=block, num_warps=8)
+        stream_read[grid](
+            w, out, w.numel(), per, BLOCK=block, PDL=pdl, num_warps=8, launch_pdl=pdl > 0
+        )
         return out
 
     return fn, out
@@ -75,19 +91,23 @@ def main() -> None:
         ws = [torch.randn(n, K, device="cuda").bfloat16() for _ in range(copies)]
         floor_us = nbytes / peak * 1e6
         # The streaming read, checked against torch's sum, at its best grid / block width.
-        best = None
-        for programs in (sms, 2 * sms, 4 * sms, 8 * sms):
-            for block in (2048, 4096, 8192):
-                fns = []
-                for w in ws:
-                    fn, out = read_fn(w.view(-1), programs, block)
-                    fns.append(fn)
-                fn()
-                want = ws[-1].float().sum()
-                assert torch.allclose(out.double().sum(), want.double(), rtol=1e-3, atol=1.0)
-                us = graph_calls_us(fns)
-                if best is None or us < best[0]:
-                    best = (us, programs, block)
+        reads = {}
+        for pdl, key in enumerate(("read", "read_pdl_dependent", "read_pdl_independent")):
+            best = None
+            for programs in (4 * sms, 8 * sms, 16 * sms, 32 * sms):
+                for block in (1024, 2048, 4096):
+                    fns = []
+                    for w in ws:
+                        fn, out = read_fn(w.view(-1), programs, block, pdl)
+                        fns.append(fn)
+                    fn()
+                    want = ws[-1].float().sum()
+                    assert torch.allclose(out.double().sum(), want.double(), rtol=1e-3, atol=1.0)
+                    us = graph_calls_us(fns)
+                    if best is None or us < best[0]:
+                        best = (us, programs, block)
+            reads[key] = best
+        best = reads["read"]
         x = torch.randn(1, K, device="cuda").bfloat16()
         torch_sum = graph_calls_us([lambda w=w: torch.sum(w, dtype=torch.float32) for w in ws])
         cublas = graph_calls_us([lambda w=w, x=x: x @ w.T for w in ws])
@@ -98,13 +118,17 @@ def main() -> None:
         row = {
             "mb": nbytes / 1e6, "n": n, "k": K, "floor_us": floor_us,
             "read_us": best[0], "read_programs": best[1], "read_block": best[2],
+            "read_pdl_dependent_us": reads["read_pdl_dependent"][0],
+            "read_pdl_independent_us": reads["read_pdl_independent"][0],
             "torch_sum_us": torch_sum, "cublas_gemv_us": cublas, "projection_us": ours,
         }  # fmt: skip
-        for key in ("read", "torch_sum", "cublas_gemv", "projection"):
+        for key in (*reads, "torch_sum", "cublas_gemv", "projection"):
             row[f"{key}_fraction"] = floor_us / row[f"{key}_us"]
         print(
             f"{row['mb']:7.1f} MB floor {floor_us:7.1f} us | read {best[0]:7.1f} "
-            f"({row['read_fraction']:.0%}) sum {torch_sum:7.1f} ({row['torch_sum_fraction']:.0%}) "
+            f"({row['read_fraction']:.0%}) pdl dep {row['read_pdl_dependent_fraction']:.0%} "
+            f"indep {row['read_pdl_independent_fraction']:.0%} "
+            f"sum {torch_sum:7.1f} ({row['torch_sum_fraction']:.0%}) "
             f"cuBLAS {cublas:7.1f} ({row['cublas_gemv_fraction']:.0%}) ours {ours:7.1f} "
             f"({row['projection_fraction']:.0%})",
             flush=True,

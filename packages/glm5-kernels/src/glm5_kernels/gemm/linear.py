@@ -57,13 +57,17 @@ def plan(
     """The tile for an [m, k] x [n, k]ᵀ product on a GPU with `sms` SMs (from the H200 sweeps
     of benchmarks/skinny_gemm.py --sweep; numbers in the glm5-kernels README).
 
-    Weight streaming wants every SM's loads in flight and K loops long enough per CTA to
-    amortize the pipeline's fill: about one CTA per SM (two for FP8 up to 16 tokens), split K
-    only when N alone gives fewer, keeping >= 4 K tiles per split; narrow outputs (the
-    router's 288) take 32-wide tiles. BF16: as many stages as ~160 KB of shared memory holds,
-    up to 6. FP8 activations are quantized in their own small kernel first (every column tile
-    would redo it otherwise; with PDL the extra launch costs less than that, at every M) and
-    FP8 steps take two 128-wide K blocks where the split allows.
+    Weight streaming wants loads in flight on every SM and K loops long enough per CTA to
+    amortize the pipeline's fill. BF16 splits K only when N gives fewer than a third as many
+    column tiles as SMs: from there up, the split-K fixup costs more than the idle SMs do
+    (N = 4096: one CTA on 64 of 132 SMs streams 8-16 % faster than 128 split CTAs, M = 1..64).
+    FP8 aims at about two CTAs per SM up to 16 tokens (one above). Splits keep >= 4 K tiles
+    each; narrow outputs (the router's 288) take 32-wide tiles. BF16: as many stages as
+    ~160 KB of shared memory holds, up to 6, but where the tiles need up to two waves, few
+    enough for two CTAs per SM, so all are resident at once (q_b at TP 1, 256 tiles: 6 -> 4
+    stages is 75 -> 83 %). FP8 activations are quantized in their own small kernel first
+    (every column tile would redo it otherwise; with PDL the extra launch costs less than
+    that, at every M) and FP8 steps take two 128-wide K blocks where the split allows.
     """
     bm = max(16, 1 << (m - 1).bit_length())
     bk = 128
@@ -72,7 +76,7 @@ def plan(
     # FP8: two K blocks per step up to 32 tokens; at 64 the step's MMA work is heavy enough.
     blocks = 2 if fp8 and k_tiles % 2 == 0 and m <= 32 else 1
     splits = 1
-    if split_k:
+    if split_k and (fp8 or 3 * tiles < sms):
         target = (2 if fp8 and m <= 16 else 1) * sms
         splits = max(1, min(round(target / tiles), k_tiles // 4))
         per_split = -(-k_tiles // splits)
@@ -80,6 +84,8 @@ def plan(
         splits = -(-k_tiles // per_split)  # no empty splits
     per_stage = bn * bk * (1 if fp8 else 2) + bm * bk * 2
     stages = max(2, min(6, (160 << 10) // per_stage))
+    if not fp8 and sms < tiles * splits <= 2 * sms:  # two CTAs per SM: one wave
+        stages = max(3, min(stages, (80 << 10) // per_stage))
     warps = 4
     if fp8:  # ~6 K blocks in flight (~60 KB per CTA, three CTAs per SM); swept 3-6
         stages = min(stages, 6 // blocks) if blocks == 2 else 3
