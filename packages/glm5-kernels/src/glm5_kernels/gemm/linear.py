@@ -320,6 +320,8 @@ class Fp8Linear(_SkinnyGemm):
 
         m = self._check_input(x)
         t = self.tiles[m]
+        if GROUP % t.bn:  # the kernel reads one weight-scale row per column tile
+            raise ValueError(f"{type(self).__name__}: tile BN={t.bn} must divide {GROUP}")
         out = self._output(m, out)
         k_tiles = self.k // GROUP
         limit = self.swiglu_limit if self.swiglu_limit is not None else math.inf
