@@ -12,13 +12,18 @@ DENSE_I, MOE_I = 12288, 2048
 def flash_shapes(tp: int) -> dict[str, tuple[str, int, int]]:
     """name -> (kind, N, K) for one rank of a TP-`tp` deployment (replicated weights whole)."""
     return {
-        # MLA + DSA (BF16). q_a and kv_a run fused (vLLM's fused_qkv_a_proj), replicated.
+        # MLA + DSA (BF16). q_a and kv_a are replicated; vLLM fuses them (fused_qkv_a_proj),
+        # the runtime's dsa_proj stage serves each part with its own Projection.
         "mla.fused_qkv_a": ("bf16", Q_LORA + KV_LORA, HIDDEN),
+        "mla.q_a": ("bf16", Q_LORA, HIDDEN),
+        "mla.kv_a": ("bf16", KV_LORA, HIDDEN),
         "mla.q_b": ("bf16", MLA_HEADS * NOPE // tp, Q_LORA),
         "mla.o_proj": ("bf16", HIDDEN, MLA_HEADS * V_HEAD // tp),
         "indexer.wq_b": ("bf16", INDEX_HEADS * INDEX_DIM, Q_LORA),
-        # KDA (BF16): q | k | v projections fused, output projection.
+        # KDA (BF16): q | k | v projections fused, one of them (the kda_proj stage serves
+        # each), output projection.
         "kda.qkv": ("bf16", 3 * KDA_WIDTH // tp, HIDDEN),
+        "kda.q": ("bf16", KDA_WIDTH // tp, HIDDEN),
         "kda.o_proj": ("bf16", HIDDEN, KDA_WIDTH // tp),
         "mtp.eh_proj": ("bf16", HIDDEN, 2 * HIDDEN),
         "lm_head": ("bf16", VOCAB // tp, HIDDEN),
