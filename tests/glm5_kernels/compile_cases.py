@@ -51,21 +51,13 @@ def fp8_cases(arch: int) -> int:
     for x_fp8, swiglu, e8m0 in ((False, False, False), (False, True, True), (True, False, False)):
         types = {"x_ptr": "*fp8e4nv" if x_fp8 else "*bf16", "xs_ptr": "*fp32"}
         types |= {"w_ptr": "*fp8e4nv", "ws_ptr": "*u8" if e8m0 else "*fp32"}
-        types |= {"out_ptr": "*bf16", "out_scale_ptr": "*bf16", "part_ptr": "*fp32"}
-        types |= {"count_ptr": "*i32", "limit": "fp32"}
+        types |= {"out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "limit": "fp32"}
         constexprs = {"BM": 32, "BN": 64, "SPLIT_K": 3, "KB": 2, "UE8M0": e8m0}
         constexprs["SCALE_E8M0"] = e8m0
-        constexprs |= {"SWIGLU": swiglu, "X_FP8": x_fp8, "GLU": False, **COMMON}
+        constexprs |= {"SWIGLU": swiglu, "X_FP8": x_fp8, **COMMON}
         ptx = _compile(fp8_gemm_kernel, types | INTS, constexprs, arch, num_warps=4, num_stages=4)
         if arch == 90:
             assert "wgmma" in ptx and "e4m3" in ptx, f"fp8 x_fp8={x_fp8}: no FP8 wgmma"
-        if x_fp8:  # the MLP's gate_up with the SwiGLU + quantization epilogue (DenseMlp)
-            types |= {"out_ptr": "*fp8e4nv", "out_scale_ptr": "*fp32"}
-            glu = constexprs | {"BM": 16, "BN": 256, "KB": 1, "GLU": True}
-            ptx = _compile(fp8_gemm_kernel, types | INTS, glu, arch, num_warps=8, num_stages=3)
-            if arch == 90:
-                assert "wgmma" in ptx and "cvt.rn.satfinite.e4m3x2" in ptx, "glu: no e4m3 store"
-            n += 1
         types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "limit": "fp32"}
         types |= {"M": "i32", "K": "i32", "stride_xm": "i32"}
         constexprs = {"GROUPS": 8, "UE8M0": e8m0, "SWIGLU": swiglu, **COMMON}

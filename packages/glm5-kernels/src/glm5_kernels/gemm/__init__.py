@@ -2,7 +2,6 @@
 with fused activation quantization, and the FP8 dense MLP / shared expert built on them."""
 
 from glm5_kernels.gemm.linear import (
-    GLU_TOKENS,
     MAX_TOKENS,
     DenseMlp,
     Fp8Linear,
@@ -11,7 +10,6 @@ from glm5_kernels.gemm.linear import (
     SharedExpert,
     Tile,
     plan,
-    plan_glu,
 )
 from glm5_kernels.gemm.reference import (
     fp8_linear_ref,
@@ -21,7 +19,6 @@ from glm5_kernels.gemm.reference import (
 )
 
 __all__ = [
-    "GLU_TOKENS",
     "MAX_TOKENS",
     "DenseMlp",
     "Fp8Linear",
@@ -33,6 +30,5 @@ __all__ = [
     "fp8_mlp_ref",
     "linear_ref",
     "plan",
-    "plan_glu",
     "quantize_tokens_fp8_ref",
 ]

@@ -27,11 +27,9 @@ __all__ = [
     "SharedExpert",
     "Tile",
     "plan",
-    "plan_glu",
 ]
 
 MAX_TOKENS = 64
-GLU_TOKENS = 16  # DenseMlp fuses SwiGLU + quantization into gate_up up to this many tokens
 GROUP = 128  # FP8 block / activation group width
 
 
@@ -100,18 +98,6 @@ def plan(
     )  # fmt: skip
 
 
-def plan_glu(m: int, i: int, k: int, *, sms: int, pdl: bool = False) -> Tile:
-    """The tile of a gate_up GEMM with the SwiGLU + FP8 quantization epilogue (DenseMlp at up
-    to GLU_TOKENS tokens): 256 rows (128 features' gate and up) per CTA, so I / 128 column
-    tiles; K split until they about fill the SMs (a split keeps >= 2 K blocks)."""
-    k_tiles, tiles = k // GROUP, i // GROUP
-    splits = max(1, min(round(sms / tiles), k_tiles // 2))
-    splits = -(-k_tiles // -(-k_tiles // splits))  # no empty splits
-    bm = max(16, 1 << (m - 1).bit_length())
-    return Tile(bm, 2 * GROUP, GROUP, splits, warps=8, stages=3, pdl=pdl,
-                prefetch=2 if pdl else 0, quantize_first=True)  # fmt: skip
-
-
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -168,7 +154,7 @@ class _SkinnyGemm:
         # One counter per column tile at the narrowest BN any plan may use; the kernels reset
         # them, so they stay zero between launches (and graph replays).
         self._counts = torch.zeros(-(-n // 16), dtype=torch.int32, device=device)
-        self._ready: set[tuple[str, int]] = set()
+        self._ready: set[int] = set()
 
     def supports(self, m: int) -> bool:
         return 1 <= m <= self.max_tokens
@@ -184,9 +170,7 @@ class _SkinnyGemm:
     def _in_features(self) -> int:
         return self.k
 
-    def _check_input(self, x: Tensor, path: str = "") -> int:
-        """Validate x; returns M. `path` names a launch path other than __call__'s: each
-        (path, M) must run once outside CUDA-graph capture before a capture may use it."""
+    def _check_input(self, x: Tensor) -> int:
         problems = []
         if x.dim() != 2 or x.shape[-1] != self._in_features:
             problems.append(f"x: shape {tuple(x.shape)}, expected [M, {self._in_features}]")
@@ -202,17 +186,14 @@ class _SkinnyGemm:
         if not self.supports(m):
             problems.append(f"x: M={m} outside the compiled range 1..{self.max_tokens}")
         _raise(type(self).__name__, problems)
-        self._mark_ready((path, m))
-        return m
-
-    def _mark_ready(self, key: tuple[str, int]) -> None:
-        if key not in self._ready:
+        if m not in self._ready:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
-                    f"{type(self).__name__}: M={key[1]} was not prepared; call prepare() "
-                    "before CUDA-graph capture (a capture must never compile)"
+                    f"{type(self).__name__}: M={m} was not prepared; call prepare() before "
+                    "CUDA-graph capture (a capture must never compile)"
                 )
-            self._ready.add(key)
+            self._ready.add(m)
+        return m
 
     def _output(self, m: int, out: Tensor | None) -> Tensor:
         if out is None:
@@ -328,14 +309,6 @@ class Fp8Linear(_SkinnyGemm):
         self.scale = s.view(torch.uint8) if e8m0 else s
         self.scale_e8m0, self.ue8m0, self.swiglu_limit = e8m0, ue8m0, swiglu_limit
         super().__init__(*weight.shape, weight.device, split_k_tokens, max_tokens)
-        i = self.n // 2
-        self.glu_tiles = {}  # glu()'s tiles, where the weight can be a gate_up
-        if swiglu_limit is None and self.n % 2 == 0 and i % GROUP == 0:
-            sms, pdl = _sms(weight.device), _pdl(weight.device)
-            self.glu_tiles = {
-                m: plan_glu(m, i, self.k, sms=sms, pdl=pdl)
-                for m in range(1, min(GLU_TOKENS, max_tokens) + 1)
-            }
 
     @property
     def _in_features(self) -> int:
@@ -343,58 +316,16 @@ class Fp8Linear(_SkinnyGemm):
 
     def __call__(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         """x [M, K] BF16 (SwiGLU: [M, 2K]) -> [M, N] out_dtype (into `out` when given)."""
+        from .triton_skinny import fp8_gemm_kernel, quantize_tokens_kernel
+
         m = self._check_input(x)
+        t = self.tiles[m]
+        if GROUP % t.bn:  # the kernel reads one weight-scale row per column tile
+            raise ValueError(f"{type(self).__name__}: tile BN={t.bn} must divide {GROUP}")
         out = self._output(m, out)
-        self._run(x, self.tiles[m], out, self.swiglu_limit)
-        return out
-
-    def glu(self, x: Tensor, limit: float) -> tuple[Tensor, Tensor]:
-        """As an MLP's gate_up (rows: I gate, then I up): x [M, K] BF16 -> the clamped SwiGLU
-        at `limit` of the product, quantized as the down GEMM's input — (e4m3 codes [M, I],
-        FP32 per-token 1×128 scales [M, I/128]) — in one GEMM launch (after the input's own
-        quantization kernel). M <= GLU_TOKENS; I a multiple of 128."""
-        if self.swiglu_limit is not None or (self.n // 2) % GROUP or self.n % 2:
-            raise ValueError(f"{type(self).__name__}.glu: needs a gate_up weight [2I, K] with "
-                             f"I % {GROUP} == 0 and no swiglu_limit, got N={self.n}")  # fmt: skip
-        m = self._check_input(x, "glu")
-        if m not in self.glu_tiles:
-            raise ValueError(f"{type(self).__name__}.glu: M={m} above {GLU_TOKENS}")
-        codes = torch.empty(m, self.n // 2, dtype=torch.float8_e4m3fn, device=self._device)
-        scales = torch.empty(m, self.n // 2 // GROUP, dtype=torch.float32, device=self._device)
-        self._run(x, self.glu_tiles[m], codes, None, glu_limit=limit, out_scales=scales)
-        return codes, scales
-
-    def quantized(self, codes: Tensor, scales: Tensor, out: Tensor | None = None) -> Tensor:
-        """The GEMM alone on activations quantized beforehand (glu()'s output): codes [M, K]
-        e4m3, scales [M, K/128] FP32, both contiguous -> [M, N] out_dtype."""
-        m = codes.shape[0] if codes.dim() == 2 else 0
-        want = (m, self.k // GROUP)
-        if (codes.dtype != torch.float8_e4m3fn or codes.shape[-1:] != (self.k,)
-                or not codes.is_contiguous() or tuple(scales.shape) != want
-                or scales.dtype != torch.float32 or not scales.is_contiguous()
-                or not self.supports(m)):  # fmt: skip
-            raise ValueError(
-                f"{type(self).__name__}.quantized: codes must be contiguous e4m3 [M, {self.k}] "
-                f"with M in 1..{self.max_tokens} and scales contiguous FP32 {list(want)}, got "
-                f"{codes.dtype} {tuple(codes.shape)} and {scales.dtype} {tuple(scales.shape)}"
-            )
-        self._mark_ready(("quantized", m))
-        out = self._output(m, out)
-        self._gemm(codes, scales, self.tiles[m], out, x_fp8=True, swiglu=False, limit=math.inf)
-        return out
-
-    def _run(self, x, t: Tile, out, swiglu_limit, glu_limit=None, out_scales=None) -> None:
-        """Quantize x first where the tile says so, then the GEMM."""
-        from .triton_skinny import quantize_tokens_kernel
-
-        # The kernel reads one weight-scale row per column tile (GLU: one gate, one up).
-        if (t.bn != 2 * GROUP) if glu_limit is not None else GROUP % t.bn:
-            want = f"be {2 * GROUP}" if glu_limit is not None else f"divide {GROUP}"
-            raise ValueError(f"{type(self).__name__}: tile BN={t.bn} must {want}")
-        m, k_tiles = x.shape[0], self.k // GROUP
-        swiglu = swiglu_limit is not None
-        limit = swiglu_limit if swiglu else glu_limit if glu_limit is not None else math.inf
-        scales, x_fp8 = self.scale, False  # scales: a placeholder unless x is quantized first
+        k_tiles = self.k // GROUP
+        limit = self.swiglu_limit if self.swiglu_limit is not None else math.inf
+        swiglu, scales = self.swiglu_limit is not None, self.scale  # scales: a placeholder
         if t.quantize_first:
             xq = torch.empty(m, self.k, dtype=torch.float8_e4m3fn, device=x.device)
             scales = torch.empty(m, k_tiles, dtype=torch.float32, device=x.device)
@@ -404,25 +335,18 @@ class Fp8Linear(_SkinnyGemm):
                 GROUPS=groups, UE8M0=self.ue8m0, SWIGLU=swiglu,
                 INTERPRETER=_interpreting(), PDL=t.pdl, num_warps=4, launch_pdl=t.pdl,
             )  # fmt: skip
-            x, swiglu, x_fp8 = xq, False, True
-        self._gemm(x, scales, t, out, x_fp8, swiglu, limit, out_scales)
-
-    def _gemm(self, x, scales, t: Tile, out, x_fp8, swiglu, limit, out_scales=None) -> None:
-        from .triton_skinny import fp8_gemm_kernel
-
-        k_tiles = self.k // GROUP
+            x, swiglu = xq, False
         per_split = -(-k_tiles // t.split_k)
         per_split += -per_split % t.blocks
-        glu = out_scales is not None
         fp8_gemm_kernel[(-(-self.n // t.bn), t.split_k)](
-            x, scales, self.weight, self.scale, out, out_scales if glu else out,
-            self._scratch(t), self._counts,
-            x.shape[0], self.n, self.k, x.stride(0), out.stride(0), per_split, limit,
+            x, scales, self.weight, self.scale, out, self._scratch(t), self._counts,
+            m, self.n, self.k, x.stride(0), out.stride(0), per_split, limit,
             BM=t.bm, BN=t.bn, SPLIT_K=t.split_k, KB=t.blocks, UE8M0=self.ue8m0,
-            SCALE_E8M0=self.scale_e8m0, SWIGLU=swiglu, X_FP8=x_fp8, GLU=glu,
+            SCALE_E8M0=self.scale_e8m0, SWIGLU=swiglu, X_FP8=t.quantize_first,
             INTERPRETER=_interpreting(), PDL=t.pdl, PREFETCH=t.prefetch,
             num_warps=t.warps, num_stages=t.stages, launch_pdl=t.pdl,
         )  # fmt: skip
+        return out
 
 
 class DenseMlp:
@@ -430,11 +354,8 @@ class DenseMlp:
     weights are one rank's shard).
 
     gate_up [2I, D] e4m3 (gate rows, then up rows) with scales [2I/128, D/128]; down [D, I]
-    e4m3 with scales [D/128, I/128]; clamped SwiGLU at `swiglu_limit`. Up to `glu_tokens`
-    tokens (default GLU_TOKENS) the gate_up GEMM's epilogue forms the SwiGLU and quantizes it
-    for the down GEMM (`Fp8Linear.glu`): three launches (input quantization, gate_up, down)
-    instead of four. Above, the SwiGLU is formed by the down GEMM's own quantization kernel.
-    Numerics follow vLLM's stock sequence either way (BF16 between the GEMMs).
+    e4m3 with scales [D/128, I/128]; clamped SwiGLU at `swiglu_limit`, fused into the down
+    GEMM's activation load. Numerics follow vLLM's stock sequence (BF16 between the GEMMs).
     """
 
     def __init__(
@@ -447,7 +368,6 @@ class DenseMlp:
         ue8m0: bool = False,
         *,
         max_tokens: int = MAX_TOKENS,
-        glu_tokens: int = GLU_TOKENS,
     ):
         if gate_up.dim() == 2 and down.dim() == 2 and gate_up.shape[0] != 2 * down.shape[1]:
             raise ValueError(
@@ -458,25 +378,17 @@ class DenseMlp:
         self.down = Fp8Linear(
             down, down_scale_inv, ue8m0=ue8m0, swiglu_limit=swiglu_limit, max_tokens=max_tokens
         )
-        self.swiglu_limit = swiglu_limit
-        self.glu_tokens = min(glu_tokens, max(self.gate_up.glu_tiles, default=0))
 
     def supports(self, m: int) -> bool:
         return self.gate_up.supports(m)
 
     def prepare(self, tokens: Iterable[int]) -> None:
-        """Compile and run once for each token count, on the path it takes."""
-        for m in tokens:
-            if not self.supports(m):
-                raise ValueError(
-                    f"{type(self).__name__}: M={m} outside 1..{self.gate_up.max_tokens}"
-                )
-            self(torch.zeros(m, self.gate_up.k, dtype=torch.bfloat16, device=self.gate_up._device))
+        tokens = list(tokens)
+        self.gate_up.prepare(tokens)
+        self.down.prepare(tokens)
 
     def __call__(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         """x [M, D] BF16 -> [M, D] BF16."""
-        if x.dim() == 2 and x.shape[0] <= self.glu_tokens:
-            return self.down.quantized(*self.gate_up.glu(x, self.swiglu_limit), out)
         return self.down(self.gate_up(x), out)
 
 

@@ -74,45 +74,17 @@ def _await_inputs(w_rows_ptr, k_lo, K, ELEMENTS_PER_LINE: tl.constexpr,
 
 
 @triton.jit
-def _swiglu(gate, up, limit, INTERPRETER: tl.constexpr):
-    """vLLM's clamped SwiGLU in FP32, rounded to BF16 as the stock sequence stores it."""
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    return _narrow(gate * tl.sigmoid(gate) * up, tl.bfloat16, INTERPRETER).to(tl.float32)
-
-
-@triton.jit
-def _store(total, out_ptr, scale_ptr, M, N, stride_om, limit,
-           BM: tl.constexpr, BN: tl.constexpr, GLU: tl.constexpr, UE8M0: tl.constexpr,
-           INTERPRETER: tl.constexpr):  # fmt: skip
-    """Store a column tile's accᵀ [BN, BM]: into out[M, N]; or (GLU: rows alternate gate and
-    up of BN/2 features) the features' clamped SwiGLU as the down GEMM's input — e4m3 codes
-    into out [M, N/2] and their per-token 1×(BN/2) scales into scale_ptr [M, N/BN]."""
-    offs_m = tl.arange(0, BM)
-    if GLU:
-        h = _narrow(total, tl.bfloat16, INTERPRETER).to(tl.float32)  # the stock BF16 gate_up
-        gate, up = tl.split(tl.permute(tl.reshape(h, [BN // 2, 2, BM]), [0, 2, 1]))
-        xq, sx = _quantize_groups(tl.trans(_swiglu(gate, up, limit, INTERPRETER)), UE8M0,
-                                  INTERPRETER)  # fmt: skip
-        cols = tl.program_id(0) * (BN // 2) + tl.arange(0, BN // 2)
-        tl.store(out_ptr + offs_m[:, None] * stride_om + cols[None, :], xq,
-                 mask=offs_m[:, None] < M)  # fmt: skip
-        tl.store(scale_ptr + offs_m * (N // BN) + tl.program_id(0), sx, mask=offs_m < M)
-    else:
-        offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
-        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-        mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
-        tl.store(out_ptrs, _narrow(total, out_ptr.dtype.element_ty, INTERPRETER), mask=mask)
-
-
-@triton.jit
-def _finish(acc, out_ptr, scale_ptr, part_ptr, count_ptr, M, N, stride_om, limit,
-            BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, GLU: tl.constexpr,
-            UE8M0: tl.constexpr, INTERPRETER: tl.constexpr):  # fmt: skip
-    """Store accᵀ [BN, BM] (see _store), through the split-K fixup when SPLIT_K > 1."""
+def _finish(acc, out_ptr, part_ptr, count_ptr, M, N, stride_om,
+            BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr,
+            INTERPRETER: tl.constexpr):  # fmt: skip
+    """Store accᵀ [BN, BM] into out[M, N], through the split-K fixup when SPLIT_K > 1."""
     pid_n = tl.program_id(0)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = tl.arange(0, BM)
+    out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
     if SPLIT_K == 1:
-        _store(acc, out_ptr, scale_ptr, M, N, stride_om, limit, BM, BN, GLU, UE8M0, INTERPRETER)
+        tl.store(out_ptrs, _narrow(acc, out_ptr.dtype.element_ty, INTERPRETER), mask=mask)
     else:
         tiles = tl.num_programs(0)
         tile = tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
@@ -126,8 +98,7 @@ def _finish(acc, out_ptr, scale_ptr, part_ptr, count_ptr, M, N, stride_om, limit
                 # .cg: L1 is not coherent across SMs; the other partials live in L2.
                 p = part_ptr + (s * tiles + pid_n) * BN * BM + tile
                 total += tl.load(p, cache_modifier=".cg")
-            _store(total, out_ptr, scale_ptr, M, N, stride_om, limit, BM, BN, GLU, UE8M0,
-                   INTERPRETER)  # fmt: skip
+            tl.store(out_ptrs, _narrow(total, out_ptr.dtype.element_ty, INTERPRETER), mask=mask)
             tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
@@ -168,8 +139,7 @@ def bf16_gemm_kernel(
         acc = tl.dot(w, tl.trans(x), acc)
     if PDL:
         gdc_launch_dependents()
-    _finish(acc, out_ptr, out_ptr, part_ptr, count_ptr, M, N, stride_om, 0.0,
-            BM, BN, SPLIT_K, False, False, INTERPRETER)  # fmt: skip
+    _finish(acc, out_ptr, part_ptr, count_ptr, M, N, stride_om, BM, BN, SPLIT_K, INTERPRETER)
 
 
 @triton.jit
@@ -177,9 +147,10 @@ def _activation(x_ptrs, rows, K, limit, SWIGLU: tl.constexpr, INTERPRETER: tl.co
     """The FP32 activation group at x_ptrs (zero where `rows` is false): x, or SwiGLU(gate at
     x_ptrs, up K columns on), rounded to BF16 as the stock sequence stores it."""
     if SWIGLU:
-        gate = tl.load(x_ptrs, mask=rows, other=0.0).to(tl.float32)
+        gate = tl.minimum(tl.load(x_ptrs, mask=rows, other=0.0).to(tl.float32), limit)
         up = tl.load(x_ptrs + K, mask=rows, other=0.0).to(tl.float32)
-        return _swiglu(gate, up, limit, INTERPRETER)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        return _narrow(gate * tl.sigmoid(gate) * up, tl.bfloat16, INTERPRETER).to(tl.float32)
     return tl.load(x_ptrs, mask=rows, other=0.0).to(tl.float32)
 
 
@@ -234,37 +205,26 @@ def _weight_scales(ptrs, SCALE_E8M0: tl.constexpr):
 def fp8_gemm_kernel(
     x_ptr,  # [M, K] BF16 (SWIGLU: gate_up [M, 2K]; X_FP8: e4m3 codes [M, K])
     xs_ptr,  # X_FP8: [M, K/128] FP32 activation scales, contiguous (else unused)
-    w_ptr,  # [N, K] float8_e4m3fn, k-major (GLU: gate rows, then up rows)
+    w_ptr,  # [N, K] float8_e4m3fn, k-major
     ws_ptr,  # [⌈N/128⌉, K/128] FP32, or uint8 UE8M0 exponents (SCALE_E8M0)
-    out_ptr,  # [M, N] BF16 or FP32 (GLU: [M, N/2] e4m3 codes of the clamped SwiGLU)
-    out_scale_ptr,  # GLU: [M, N/256] FP32 scales of those codes (else unused)
+    out_ptr,  # [M, N] BF16 or FP32
     part_ptr, count_ptr,  # split-K partials and counters, as in bf16_gemm_kernel
     M, N, K, stride_xm, stride_om, K_TILES, limit,
     BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, KB: tl.constexpr,
     UE8M0: tl.constexpr, SCALE_E8M0: tl.constexpr, SWIGLU: tl.constexpr, X_FP8: tl.constexpr,
-    GLU: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    INTERPRETER: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
-    """FP8 GEMM; with GLU (BN = 256, N = 2I, I % 128 == 0) the gate_up GEMM of an MLP whose
-    epilogue forms the down GEMM's input: a CTA owns 128 features, its rows alternating their
-    gate and up weight rows, so one tile holds a whole 1x128 quantization group of SwiGLU."""
     BK: tl.constexpr = 128  # one weight scale per 128-wide K block
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     rows_m = tl.minimum(tl.arange(0, BM), M - 1)
     x_rows = tl.arange(0, BM) < M  # padded rows masked, as in bf16_gemm_kernel
     offs_k = tl.arange(0, BK)
-    if GLU:
-        feature = tl.program_id(0) * (BN // 2) + tl.arange(0, BN) // 2
-        is_gate = tl.arange(0, BN) % 2 == 0
-        rows_n = tl.where(is_gate, feature, N // 2 + feature)
-        # The tile's gate rows lie in one 128-row scale block, its up rows in another.
-        ws_row = ws_ptr + tl.program_id(0) * (K // BK)
-        ws_up = ws_ptr + (N // 2 // BK + tl.program_id(0)) * (K // BK)
-    else:
-        rows_n = tl.minimum(tl.program_id(0) * BN + tl.arange(0, BN), N - 1)
-        # BN divides 128 and tiles start at multiples of BN, so every row of this tile (the
-        # clamped ones too) lies in one 128-row scale block: one weight scale per K block.
-        ws_row = ws_ptr + (tl.program_id(0) * BN // BK) * (K // BK)
+    rows_n = tl.minimum(offs_n, N - 1)
     w_ptrs = w_ptr + rows_n[:, None] * K + offs_k[None, :]
     x_ptrs = x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :]
+    # BN divides 128 and tiles start at multiples of BN, so every row of this tile (the
+    # clamped ones too) lies in one 128-row scale block: one weight scale per K block.
+    ws_row = ws_ptr + (tl.program_id(0) * BN // BK) * (K // BK)
     xs_rows = xs_ptr + rows_m[:, None] * (K // BK)
     kt_lo = tl.program_id(1) * K_TILES
     kt_hi = tl.minimum(kt_lo + K_TILES, K // BK)
@@ -276,8 +236,6 @@ def fp8_gemm_kernel(
     # the in-GEMM quantization was measured no faster: there the quantization math costs.)
     steps = tl.arange(0, KB)
     sw_next = _weight_scales(ws_row + kt_lo + steps, SCALE_E8M0)
-    if GLU:
-        su_next = _weight_scales(ws_up + kt_lo + steps, SCALE_E8M0)
     if X_FP8:
         sx_next = tl.load(xs_rows + kt_lo + steps[None, :], mask=x_rows[:, None], other=0.0)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
@@ -287,9 +245,6 @@ def fp8_gemm_kernel(
         after = tl.minimum(kb + KB, kt_hi - KB)  # the last step reloads its own
         sw_step = sw_next
         sw_next = _weight_scales(ws_row + after + steps, SCALE_E8M0)
-        if GLU:
-            su_step = su_next
-            su_next = _weight_scales(ws_up + after + steps, SCALE_E8M0)
         if X_FP8:
             sx_step = sx_next
             sx_next = tl.load(xs_rows + after + steps[None, :], mask=x_rows[:, None], other=0.0)
@@ -303,13 +258,7 @@ def fp8_gemm_kernel(
             else:
                 x = _activation(x_ptrs + kt * BK, x_rows[:, None], K, limit, SWIGLU, INTERPRETER)
                 xq, sx = _quantize_groups(x, UE8M0, INTERPRETER)
-            if GLU:
-                su = tl.sum(tl.where(steps == j, su_step, 0.0), axis=0)
-                sw_rows = tl.where(is_gate, sw, su)
-                acc += tl.dot(w, tl.trans(xq)) * sw_rows[:, None] * sx[None, :]
-            else:
-                acc += tl.dot(w, tl.trans(xq)) * (sx * sw)[None, :]
+            acc += tl.dot(w, tl.trans(xq)) * (sx * sw)[None, :]
     if PDL:
         gdc_launch_dependents()
-    _finish(acc, out_ptr, out_scale_ptr, part_ptr, count_ptr, M, N, stride_om, limit,
-            BM, BN, SPLIT_K, GLU, UE8M0, INTERPRETER)  # fmt: skip
+    _finish(acc, out_ptr, part_ptr, count_ptr, M, N, stride_om, BM, BN, SPLIT_K, INTERPRETER)
