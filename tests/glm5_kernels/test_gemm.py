@@ -240,3 +240,7 @@ def test_bad_inputs_name_every_problem():
     assert op.supports(8) and not op.supports(9) and not op.supports(0)
     with pytest.raises(ValueError, match="max_tokens=65"):
         Projection(torch.zeros(32, 128, dtype=torch.bfloat16), max_tokens=65)
+    fc = Fp8Linear(torch.zeros(256, 128, dtype=torch.float8_e4m3fn), torch.ones(2, 1))
+    fc.tiles[2] = replace(fc.tiles[2], bn=256)  # spans two weight-scale blocks
+    with pytest.raises(ValueError, match="BN=256 must divide 128"):
+        fc(torch.zeros(2, 128, dtype=torch.bfloat16))

@@ -60,7 +60,7 @@ def plan(
     Weight streaming wants loads in flight on every SM and K loops long enough per CTA to
     amortize the pipeline's fill. BF16 splits K only when N gives fewer than a third as many
     column tiles as SMs: from there up, the split-K fixup costs more than the idle SMs do
-    (N = 4096: one CTA on 64 of 132 SMs streams 8-16 % faster than 128 split CTAs, M = 1..64).
+    (N = 4096: one CTA on 64 of 132 SMs streams 3-16 % faster than 128 split CTAs, M = 1..64).
     FP8 aims at about two CTAs per SM up to 16 tokens (one above). Splits keep >= 4 K tiles
     each; narrow outputs (the router's 288) take 32-wide tiles. BF16: as many stages as
     ~160 KB of shared memory holds, up to 6, but where the tiles need up to two waves, few
