@@ -19,10 +19,7 @@ kernel whose reads need nothing from its predecessor (a weight prefetch) could a
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
-from datetime import date
 from pathlib import Path
 
 import torch
@@ -31,6 +28,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, str(Path(__file__).parent))
+from provenance import provenance, write_result
 from skinny_gemm import bandwidth, copies_for
 
 from glm5_kernels.gemm import Projection
@@ -136,21 +134,12 @@ def main() -> None:
         rows.append(row)
         del ws, projections
         torch.cuda.empty_cache()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    result = {
-        "benchmark": "read_ceiling",
-        "gpu": props.name,
-        "torch": torch.__version__,
+    write_result(args.out, {
+        **provenance("read_ceiling", args),
         "triton": triton.__version__,
-        "date": date.today().isoformat(),
-        "commit": args.commit or commit.stdout.strip() or "unknown",
-        "command": "python benchmarks/read_ceiling.py",
         "bandwidth_tbps": {k: v / 1e12 for k, v in bw.items()},
         "rows": rows,
-    }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    })  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -13,13 +13,11 @@ rank's compute and memory traffic, without all-reduce latency.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import time
-from datetime import date
 
 import torch
+from provenance import provenance, write_result
 
 from glm5_kernels.timing import replay_times
 from glm5_runtime.bench import floor_bytes
@@ -90,24 +88,14 @@ def main() -> None:
         rows.append(row)
         del graph
         torch.cuda.empty_cache()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    result = {
-        "benchmark": "reference_decode",
+    write_result(args.out, {
+        **provenance("reference_decode", args),
         "geometry": args.geometry,
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "date": date.today().isoformat(),
-        "commit": commit.stdout.strip() or "unknown",
-        "command": "python benchmarks/reference_decode.py "
-        + " ".join(f"--{k} {v}" for k, v in vars(args).items() if v is not None and k != "out"),
         "build_seconds": build_s,
         "weights_gib": held / 2**30,
         "hbm_copy_bandwidth_tbps": bandwidth / 1e12,
         "rows": rows,
-    }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    })  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import time
 from dataclasses import replace
-from datetime import date
 
 import torch
+from provenance import provenance, write_result
 
 from glm5_kernels.gemm import (
     DenseMlp,
@@ -216,27 +215,13 @@ def main() -> None:
                 rows.append(row)
                 del ours, stock
                 torch.cuda.empty_cache()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    result = {
-        "benchmark": "skinny_gemm",
-        "gpu": props.name,
+    write_result(args.out, {
+        **provenance("skinny_gemm", args),
         "sms": props.multi_processor_count,
-        "torch": torch.__version__,
-        "date": date.today().isoformat(),
-        "commit": args.commit or commit.stdout.strip() or "unknown",
-        "command": "python benchmarks/skinny_gemm.py "
-        + " ".join(
-            f"--{k} {v}"
-            for k, v in vars(args).items()
-            if v not in (None, "", False) and k not in ("out", "commit")
-        ),
         "bandwidth_tbps": {k: v / 1e12 for k, v in bw.items()},
         "seconds": time.perf_counter() - start,
         "rows": rows,
-    }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    })  # fmt: skip
 
 
 def table(path: str) -> str:

@@ -1,0 +1,36 @@
+"""What every result JSON under benchmarks/results records about its run (benchmark, GPU,
+torch, date, commit, command line), and the one way the benchmarks write it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from datetime import date
+
+import torch
+
+
+def provenance(benchmark: str, args: argparse.Namespace) -> dict:
+    """The header of `benchmark`'s result; `args.commit`, where given, names the code's commit
+    (a working tree copied without its git history has none)."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    flags = " ".join(
+        f"--{k} {v}"
+        for k, v in vars(args).items()
+        if v not in (None, "", False) and k not in ("out", "commit")
+    )
+    return {
+        "benchmark": benchmark,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": date.today().isoformat(),
+        "commit": getattr(args, "commit", None) or head.stdout.strip() or "unknown",
+        "command": f"python benchmarks/{benchmark}.py {flags}".rstrip(),
+    }
+
+
+def write_result(path: str | None, result: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
