@@ -193,6 +193,9 @@ def test_plan_covers_k_without_empty_splits(m, n, k, sms, fp8):
     assert 1 <= t.split_k <= max(1, k_tiles // 4) and per_split * t.split_k >= k_tiles
     assert (t.split_k - 1) * per_split < k_tiles  # the last split holds work
     assert plan(m, n, k, sms=sms, fp8=fp8, split_k=False).split_k == 1
+    # The pipeline fits an SM's shared memory (228 KB on SM90 / SM100) with room to spare.
+    per_stage = (t.bn + t.bm) * t.bk * (t.blocks if fp8 else 2)
+    assert t.stages >= 2 and t.stages * per_stage <= 200 << 10
 
 
 def test_flash_shapes_are_fp8_aligned():

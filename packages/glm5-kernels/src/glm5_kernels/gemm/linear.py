@@ -55,47 +55,56 @@ def plan(
     m: int, n: int, k: int, *, sms: int, fp8: bool, split_k: bool = True, pdl: bool = False
 ) -> Tile:
     """The tile for an [m, k] x [n, k]ᵀ product on a GPU with `sms` SMs (from the H200 sweeps
-    of benchmarks/skinny_gemm.py --sweep; numbers in the glm5-kernels README).
+    of benchmarks/skinny_gemm.py --sweep and the variants in the glm5-kernels README).
 
     Weight streaming wants loads in flight on every SM and K loops long enough per CTA to
     amortize the pipeline's fill. BF16 splits K only when N gives fewer than a third as many
     column tiles as SMs: from there up, the split-K fixup costs more than the idle SMs do
     (N = 4096: one CTA on 64 of 132 SMs streams 3-16 % faster than 128 split CTAs, M = 1..64).
     FP8 aims at about two CTAs per SM up to 16 tokens (one above). Splits keep >= 4 K tiles
-    each; narrow outputs (the router's 288) take 32-wide tiles. BF16: as many stages as
-    ~160 KB of shared memory holds, up to 6, but where the tiles need up to two waves, few
-    enough for two CTAs per SM, so all are resident at once (q_b at TP 1, 256 tiles: 6 -> 4
-    stages is 75 -> 83 %). FP8 activations are quantized in their own small kernel first
-    (every column tile would redo it otherwise; with PDL the extra launch costs less than
-    that, at every M) and FP8 steps take two 128-wide K blocks where the split allows.
+    each; narrow outputs (the router's 288) take 32-wide tiles.
+
+    Stages: what keeps enough bytes in flight per SM with every CTA resident in one wave.
+    BF16: as many as ~160 KB of shared memory holds, up to 6; where the tiles need up to two
+    waves, few enough for two CTAs per SM (q_b at TP 1, 256 tiles: 6 -> 4 stages is 75 -> 83 %);
+    where they fill at most half the SMs with long K loops, 8 (each SM must then stream twice
+    its share: TP 1 o_proj 80 -> 85 %, KDA o_proj 77 -> 80 %). FP8 takes two 128-wide K blocks
+    per step, 3 stages up to 16 tokens and 4 above, within the shared memory left per CTA
+    when all its CTAs share the SMs in one wave; one block per step where two would leave
+    fewer than 3 stages (dense gate_up at TP 1, M = 64: 384 CTAs, 49 -> 72 %); always 4 warps
+    (8 measured 3-30 % slower once the scales were loaded ahead). FP8 activations are
+    quantized in their own small kernel first (every column tile would redo it otherwise;
+    with PDL the extra launch costs less than that, at every M).
     """
     bm = max(16, 1 << (m - 1).bit_length())
     bk = 128
     bn = 64 if fp8 or -(-n // 64) >= sms // 8 else 32
     k_tiles, tiles = -(-k // bk), -(-n // bn)
-    # FP8: two K blocks per step up to 32 tokens; at 64 the step's MMA work is heavy enough.
-    blocks = 2 if fp8 and k_tiles % 2 == 0 and m <= 32 else 1
     splits = 1
     if split_k and (fp8 or 3 * tiles < sms):
         target = (2 if fp8 and m <= 16 else 1) * sms
         splits = max(1, min(round(target / tiles), k_tiles // 4))
+    blocks = 1
+    if fp8:
+        waves = -(-tiles * splits // sms)  # CTAs each SM holds at once
+        budget = min(160 << 10, (220 << 10) // waves)
+        per_block = (bn + bm) * bk
+        blocks = 2 if k_tiles % 2 == 0 and budget >= 3 * 2 * per_block else 1
+        most = 6 if blocks == 1 else 3 if m <= 16 else 4  # swept: 3 (M <= 16), 4 (above)
+        stages = max(2, min(most, budget // (blocks * per_block)))
+    if splits > 1:  # every split a multiple of the step's blocks, none empty
         per_split = -(-k_tiles // splits)
         per_split += -per_split % blocks
-        splits = -(-k_tiles // per_split)  # no empty splits
-    per_stage = bn * bk * (1 if fp8 else 2) + bm * bk * 2
+        splits = -(-k_tiles // per_split)
+    if fp8:
+        return Tile(bm, bn, bk, splits, 4, stages, pdl, 2 if pdl else 0, True, blocks)
+    per_stage = (bn + bm) * bk * 2
     stages = max(2, min(6, (160 << 10) // per_stage))
-    if not fp8 and sms < tiles * splits <= 2 * sms:  # two CTAs per SM: one wave
+    if sms < tiles * splits <= 2 * sms:  # two CTAs per SM: one wave
         stages = max(3, min(stages, (80 << 10) // per_stage))
-    warps = 4
-    if fp8:  # ~6 K blocks in flight (~60 KB per CTA, three CTAs per SM); swept 3-6
-        stages = min(stages, 6 // blocks) if blocks == 2 else 3
-        # Wide FP8 weights (dense gate_up at TP 1: 384 column tiles) keep more warps busy
-        # on the per-block scale math: 20% faster there, neutral or worse when narrow.
-        warps = 8 if tiles >= 2 * sms else 4
-    return Tile(
-        bm, bn, bk, splits, warps, stages, pdl, prefetch=2 if pdl else 0, quantize_first=fp8,
-        blocks=blocks,
-    )  # fmt: skip
+    elif 2 * tiles * splits <= sms and k_tiles >= 32 * splits:
+        stages = min(8, (200 << 10) // per_stage)
+    return Tile(bm, bn, bk, splits, 4, stages, pdl, prefetch=2 if pdl else 0)
 
 
 def _interpreting() -> bool:
