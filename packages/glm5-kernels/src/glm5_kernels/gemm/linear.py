@@ -97,14 +97,17 @@ def plan(
         per_split += -per_split % blocks
         splits = -(-k_tiles // per_split)
     if fp8:
-        return Tile(bm, bn, bk, splits, 4, stages, pdl, 2 if pdl else 0, True, blocks)
+        return Tile(
+            bm, bn, bk, splits, stages=stages, pdl=pdl, prefetch=2 if pdl else 0,
+            quantize_first=True, blocks=blocks,
+        )  # fmt: skip
     per_stage = (bn + bm) * bk * 2
     stages = max(2, min(6, (160 << 10) // per_stage))
     if sms < tiles * splits <= 2 * sms:  # two CTAs per SM: one wave
         stages = max(3, min(stages, (80 << 10) // per_stage))
     elif 2 * tiles * splits <= sms and k_tiles >= 32 * splits:
         stages = min(8, (200 << 10) // per_stage)
-    return Tile(bm, bn, bk, splits, 4, stages, pdl, prefetch=2 if pdl else 0)
+    return Tile(bm, bn, bk, splits, stages=stages, pdl=pdl, prefetch=2 if pdl else 0)
 
 
 def _interpreting() -> bool:
