@@ -48,22 +48,29 @@ def bf16_cases(arch: int) -> int:
 
 def fp8_cases(arch: int) -> int:
     n = 0
+    # The quantize-first GEMM also as the MLP's gate_up (unreduced FP32 partials out), whose
+    # consumer is the SwiGLU quantization summing those partials.
     for x_fp8, swiglu, e8m0 in ((False, False, False), (False, True, True), (True, False, False)):
         types = {"x_ptr": "*fp8e4nv" if x_fp8 else "*bf16", "xs_ptr": "*fp32"}
         types |= {"w_ptr": "*fp8e4nv", "ws_ptr": "*u8" if e8m0 else "*fp32"}
-        types |= {"out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32", "limit": "fp32"}
+        types |= {"out_ptr": "*fp32" if x_fp8 else "*bf16", "part_ptr": "*fp32"}
+        types |= {"count_ptr": "*i32", "limit": "fp32"}
         constexprs = {"BM": 32, "BN": 64, "SPLIT_K": 3, "KB": 2, "UE8M0": e8m0}
         constexprs["SCALE_E8M0"] = e8m0
-        constexprs |= {"SWIGLU": swiglu, "X_FP8": x_fp8, **COMMON}
+        constexprs |= {"SWIGLU": swiglu, "X_FP8": x_fp8, "PARTIALS": x_fp8, **COMMON}
         ptx = _compile(fp8_gemm_kernel, types | INTS, constexprs, arch, num_warps=4, num_stages=4)
         if arch == 90:
             assert "wgmma" in ptx and "e4m3" in ptx, f"fp8 x_fp8={x_fp8}: no FP8 wgmma"
-        types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "limit": "fp32"}
-        types |= {"M": "i32", "K": "i32", "stride_xm": "i32"}
-        constexprs = {"GROUPS": 8, "UE8M0": e8m0, "SWIGLU": swiglu, **COMMON}
-        constexprs.pop("PREFETCH")
-        _compile(quantize_tokens_kernel, types, constexprs, arch, num_warps=4)
-        n += 2
+        for parts in (0, 3) if swiglu else (0,):
+            types = {"x_ptr": "*fp32" if parts else "*bf16", "q_ptr": "*fp8e4nv"}
+            types |= {"s_ptr": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32"}
+            types["limit"] = "fp32"
+            constexprs = {"GROUPS": 8, "UE8M0": e8m0, "SWIGLU": swiglu, "PARTS": parts}
+            constexprs |= COMMON
+            constexprs.pop("PREFETCH")
+            _compile(quantize_tokens_kernel, types, constexprs, arch, num_warps=4)
+            n += 1
+        n += 1
     return n
 
 

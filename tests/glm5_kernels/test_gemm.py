@@ -163,13 +163,19 @@ def test_swiglu_down_projection(fused, e8m0):
 @interpreter
 @pytest.mark.parametrize("cls", [DenseMlp, SharedExpert])
 @pytest.mark.parametrize("e8m0", [False, True], ids=["fp32-scales", "ue8m0"])
-def test_fp8_mlp(cls, e8m0):
-    gen = torch.Generator().manual_seed(11)
-    d, i, m = 256, 384, 3
+@pytest.mark.parametrize("d, i", [(256, 384), (1024, 256)], ids=["one-split", "gate_up-splits"])
+def test_fp8_mlp(cls, e8m0, d, i):
+    """Against the stock sequence; and where gate_up splits K (its partials then reach the
+    SwiGLU quantization unreduced) the same bits as gate_up's own fixup followed by down."""
+    gen = torch.Generator().manual_seed(11 + d)
+    m = 3
     weights = mlp_weights(d, i, "cpu", gen, e8m0)
     mlp = cls(*weights[:4], swiglu_limit=7.0, ue8m0=e8m0)
     x = torch.randn(m, d, generator=gen).bfloat16()
-    assert_mlp_close(mlp(x), x, weights, 7.0, e8m0)
+    y = mlp(x, out=poisoned(m, d, torch.bfloat16, "cpu"))
+    assert_mlp_close(y, x, weights, 7.0, e8m0)
+    assert (mlp.gate_up.tiles[m].split_k > 1) == (d == 1024)
+    assert torch.equal(y, mlp.down(mlp.gate_up(x)))
 
 
 # --- plans ----------------------------------------------------------------------------------

@@ -328,34 +328,49 @@ class Fp8Linear(_SkinnyGemm):
 
     def __call__(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         """x [M, K] BF16 (SwiGLU: [M, 2K]) -> [M, N] out_dtype (into `out` when given)."""
+        m = self._check_input(x)
+        return self._launch(x, m, self._output(m, out))
+
+    def _split_partials(self, x: Tensor, m: int) -> Tensor | None:
+        """The product's FP32 split-K partials [splits, M, N], left for the consumer to sum
+        (DenseMlp's SwiGLU quantization), or None where this token count's plan does not
+        split K (or quantizes inside the GEMM, whose consumer then gets no quantize kernel)."""
+        t = self.tiles[m]
+        if t.split_k == 1 or not t.quantize_first:
+            return None
+        parts = torch.empty(t.split_k, m, self.n, dtype=torch.float32, device=x.device)
+        return self._launch(x, m, parts, partials=True)
+
+    def _launch(self, x: Tensor, m: int, out: Tensor, *, partials: bool = False, parts: int = 0):
+        """Quantize (unless the plan does it in the GEMM) and run the GEMM into `out`.
+        `partials`: out is [splits, M, N] FP32 and the splits are not reduced; `parts`: x is
+        such a [parts, M, 2K] producer output (SwiGLU input), summed while quantizing."""
         from .triton_skinny import fp8_gemm_kernel, quantize_tokens_kernel
 
-        m = self._check_input(x)
         t = self.tiles[m]
         if GROUP % t.bn:  # the kernel reads one weight-scale row per column tile
             raise ValueError(f"{type(self).__name__}: tile BN={t.bn} must divide {GROUP}")
-        out = self._output(m, out)
         k_tiles = self.k // GROUP
         limit = self.swiglu_limit if self.swiglu_limit is not None else math.inf
         swiglu, scales = self.swiglu_limit is not None, self.scale  # scales: a placeholder
-        if t.quantize_first:
+        if t.quantize_first or parts:
             xq = torch.empty(m, self.k, dtype=torch.float8_e4m3fn, device=x.device)
             scales = torch.empty(m, k_tiles, dtype=torch.float32, device=x.device)
             groups = 8
             quantize_tokens_kernel[(m, -(-k_tiles // groups))](
-                x, xq, scales, m, self.k, x.stride(0), limit,
-                GROUPS=groups, UE8M0=self.ue8m0, SWIGLU=swiglu,
-                INTERPRETER=_interpreting(), PDL=t.pdl, num_warps=4, launch_pdl=t.pdl,
+                x, xq, scales, m, self.k, x.stride(-2), limit,
+                GROUPS=groups, UE8M0=self.ue8m0, SWIGLU=swiglu, INTERPRETER=_interpreting(),
+                PDL=t.pdl, PARTS=parts, num_warps=4, launch_pdl=t.pdl,
             )  # fmt: skip
             x, swiglu = xq, False
         per_split = -(-k_tiles // t.split_k)
         per_split += -per_split % t.blocks
         fp8_gemm_kernel[(-(-self.n // t.bn), t.split_k)](
             x, scales, self.weight, self.scale, out, self._scratch(t), self._counts,
-            m, self.n, self.k, x.stride(0), out.stride(0), per_split, limit,
+            m, self.n, self.k, x.stride(0), out.stride(-2), per_split, limit,
             BM=t.bm, BN=t.bn, SPLIT_K=t.split_k, KB=t.blocks, UE8M0=self.ue8m0,
-            SCALE_E8M0=self.scale_e8m0, SWIGLU=swiglu, X_FP8=t.quantize_first,
-            INTERPRETER=_interpreting(), PDL=t.pdl, PREFETCH=t.prefetch,
+            SCALE_E8M0=self.scale_e8m0, SWIGLU=swiglu, X_FP8=t.quantize_first or bool(parts),
+            INTERPRETER=_interpreting(), PDL=t.pdl, PREFETCH=t.prefetch, PARTIALS=partials,
             num_warps=t.warps, num_stages=t.stages, launch_pdl=t.pdl,
         )  # fmt: skip
         return out
@@ -390,18 +405,40 @@ class DenseMlp:
         self.down = Fp8Linear(
             down, down_scale_inv, ue8m0=ue8m0, swiglu_limit=swiglu_limit, max_tokens=max_tokens
         )
+        self._ready: set[int] = set()
 
     def supports(self, m: int) -> bool:
         return self.gate_up.supports(m)
 
     def prepare(self, tokens: Iterable[int]) -> None:
-        tokens = list(tokens)
-        self.gate_up.prepare(tokens)
-        self.down.prepare(tokens)
+        """Compile and run once for each token count (do this before CUDA-graph capture)."""
+        for m in tokens:
+            if not self.supports(m):
+                raise ValueError(
+                    f"{type(self).__name__}: M={m} outside 1..{self.gate_up.max_tokens}"
+                )
+            self(torch.zeros(m, self.gate_up.k, dtype=torch.bfloat16, device=self.gate_up._device))
 
     def __call__(self, x: Tensor, out: Tensor | None = None) -> Tensor:
-        """x [M, D] BF16 -> [M, D] BF16."""
-        return self.down(self.gate_up(x), out)
+        """x [M, D] BF16 -> [M, D] BF16.
+
+        Where gate_up splits K, its FP32 partials go unreduced to the down GEMM's SwiGLU
+        quantization, which sums them in the fixup's order and rounding (so the same values):
+        the fixup's counter and L2 round trips cost gate_up 1.5-2 us on the H200."""
+        m = self.gate_up._check_input(x)
+        if m not in self._ready:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"{type(self).__name__}: M={m} was not prepared; call prepare() before "
+                    "CUDA-graph capture (a capture must never compile)"
+                )
+            self._ready.add(m)
+        out = self.down._output(m, out)
+        parts = self.gate_up._split_partials(x, m)
+        if parts is None:
+            h = self.gate_up._launch(x, m, self.gate_up._output(m, None))
+            return self.down._launch(h, m, out)
+        return self.down._launch(parts, m, out, parts=parts.shape[0])
 
 
 class SharedExpert(DenseMlp):

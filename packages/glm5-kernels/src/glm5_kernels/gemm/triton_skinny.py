@@ -76,14 +76,17 @@ def _await_inputs(w_rows_ptr, k_lo, K, ELEMENTS_PER_LINE: tl.constexpr,
 @triton.jit
 def _finish(acc, out_ptr, part_ptr, count_ptr, M, N, stride_om,
             BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr,
-            INTERPRETER: tl.constexpr):  # fmt: skip
-    """Store accᵀ [BN, BM] into out[M, N], through the split-K fixup when SPLIT_K > 1."""
+            INTERPRETER: tl.constexpr, PARTIALS: tl.constexpr):  # fmt: skip
+    """Store accᵀ [BN, BM] into out[M, N], through the split-K fixup when SPLIT_K > 1; with
+    PARTIALS, into out[split, M, N] (FP32) instead, for a consumer that sums the splits."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m = tl.arange(0, BM)
     out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
-    if SPLIT_K == 1:
+    if PARTIALS:
+        tl.store(out_ptrs + tl.program_id(1) * M * stride_om, acc, mask=mask)
+    elif SPLIT_K == 1:
         tl.store(out_ptrs, _narrow(acc, out_ptr.dtype.element_ty, INTERPRETER), mask=mask)
     else:
         tiles = tl.num_programs(0)
@@ -139,19 +142,34 @@ def bf16_gemm_kernel(
         acc = tl.dot(w, tl.trans(x), acc)
     if PDL:
         gdc_launch_dependents()
-    _finish(acc, out_ptr, part_ptr, count_ptr, M, N, stride_om, BM, BN, SPLIT_K, INTERPRETER)
+    _finish(acc, out_ptr, part_ptr, count_ptr, M, N, stride_om, BM, BN, SPLIT_K, INTERPRETER, False)
 
 
 @triton.jit
-def _activation(x_ptrs, rows, K, limit, SWIGLU: tl.constexpr, INTERPRETER: tl.constexpr):
+def _load_input(ptrs, rows, PARTS: tl.constexpr, split_stride, INTERPRETER: tl.constexpr):
+    """FP32 values at ptrs: BF16 input, or (PARTS > 0) the BF16 rounding of the sum of PARTS
+    FP32 split-K partials split_stride apart, in split order (the fixup's order and rounding,
+    so the same bits as a GEMM that reduced its own splits)."""
+    if PARTS == 0:
+        return tl.load(ptrs, mask=rows, other=0.0).to(tl.float32)
+    total = tl.load(ptrs, mask=rows, other=0.0)
+    for s in tl.static_range(1, PARTS):
+        total += tl.load(ptrs + s * split_stride, mask=rows, other=0.0)
+    return _narrow(total, tl.bfloat16, INTERPRETER).to(tl.float32)
+
+
+@triton.jit
+def _activation(x_ptrs, rows, K, limit, SWIGLU: tl.constexpr, INTERPRETER: tl.constexpr,
+                PARTS: tl.constexpr, split_stride):  # fmt: skip
     """The FP32 activation group at x_ptrs (zero where `rows` is false): x, or SwiGLU(gate at
     x_ptrs, up K columns on), rounded to BF16 as the stock sequence stores it."""
     if SWIGLU:
-        gate = tl.minimum(tl.load(x_ptrs, mask=rows, other=0.0).to(tl.float32), limit)
-        up = tl.load(x_ptrs + K, mask=rows, other=0.0).to(tl.float32)
+        gate = _load_input(x_ptrs, rows, PARTS, split_stride, INTERPRETER)
+        gate = tl.minimum(gate, limit)
+        up = _load_input(x_ptrs + K, rows, PARTS, split_stride, INTERPRETER)
         up = tl.minimum(tl.maximum(up, -limit), limit)
         return _narrow(gate * tl.sigmoid(gate) * up, tl.bfloat16, INTERPRETER).to(tl.float32)
-    return tl.load(x_ptrs, mask=rows, other=0.0).to(tl.float32)
+    return _load_input(x_ptrs, rows, PARTS, split_stride, INTERPRETER)
 
 
 @triton.jit
@@ -169,21 +187,25 @@ def _quantize_groups(x, UE8M0: tl.constexpr, INTERPRETER: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def quantize_tokens_kernel(
-    x_ptr,  # [M, K] BF16 (SWIGLU: [M, 2K] gate_up output)
+    x_ptr,  # [M, K] BF16 (SWIGLU: [M, 2K] gate_up output; PARTS: [PARTS, M, .] FP32 partials)
     q_ptr,  # [M, K] float8_e4m3fn, contiguous
     s_ptr,  # [M, K/128] FP32, contiguous
     M, K, stride_xm, limit,
     GROUPS: tl.constexpr,  # 128-wide groups per program
     UE8M0: tl.constexpr, SWIGLU: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr,
+    PARTS: tl.constexpr = 0,
 ):  # fmt: skip
     """Per-token 1x128 FP8 quantization once per token, for GEMMs whose many column tiles
-    would otherwise each redo it (FP8 GEMMs at larger M)."""
+    would otherwise each redo it. With PARTS, the input is the unreduced split-K output of
+    the producing GEMM (the MLP's gate_up): summing it here spares that GEMM its fixup."""
     row = tl.program_id(0)
     groups = tl.minimum(tl.program_id(1) * GROUPS + tl.arange(0, GROUPS), K // 128 - 1)
     cols = groups[:, None] * 128 + tl.arange(0, 128)[None, :]
     if PDL:
         gdc_wait()
-    x = _activation(x_ptr + row * stride_xm + cols, True, K, limit, SWIGLU, INTERPRETER)
+    x = _activation(
+        x_ptr + row * stride_xm + cols, True, K, limit, SWIGLU, INTERPRETER, PARTS, M * stride_xm
+    )
     xq, sx = _quantize_groups(x, UE8M0, INTERPRETER)
     if PDL:
         gdc_launch_dependents()
@@ -213,6 +235,7 @@ def fp8_gemm_kernel(
     BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, KB: tl.constexpr,
     UE8M0: tl.constexpr, SCALE_E8M0: tl.constexpr, SWIGLU: tl.constexpr, X_FP8: tl.constexpr,
     INTERPRETER: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    PARTIALS: tl.constexpr = False,  # out: [SPLIT_K, M, N] FP32 partials, no fixup
 ):  # fmt: skip
     BK: tl.constexpr = 128  # one weight scale per 128-wide K block
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -256,9 +279,12 @@ def fp8_gemm_kernel(
                 xq = tl.load(x_ptrs + kt * BK, mask=x_rows[:, None], other=0.0)
                 sx = tl.sum(tl.where(steps[None, :] == j, sx_step, 0.0), axis=1)
             else:
-                x = _activation(x_ptrs + kt * BK, x_rows[:, None], K, limit, SWIGLU, INTERPRETER)
+                x_kt = x_ptrs + kt * BK
+                x = _activation(x_kt, x_rows[:, None], K, limit, SWIGLU, INTERPRETER, 0, 0)
                 xq, sx = _quantize_groups(x, UE8M0, INTERPRETER)
             acc += tl.dot(w, tl.trans(xq)) * (sx * sw)[None, :]
     if PDL:
         gdc_launch_dependents()
-    _finish(acc, out_ptr, part_ptr, count_ptr, M, N, stride_om, BM, BN, SPLIT_K, INTERPRETER)
+    _finish(
+        acc, out_ptr, part_ptr, count_ptr, M, N, stride_om, BM, BN, SPLIT_K, INTERPRETER, PARTIALS
+    )
