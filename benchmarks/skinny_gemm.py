@@ -97,9 +97,11 @@ def scaled_mm(x, w, s):
 
 
 def build(kind, n, k, m, copies, gen, tile: Tile | None):
-    """(ours, stock, stock name, bytes touched, max relative error, tile) for one shape."""
+    """(ours, stock, stock name, bytes touched, max relative error, tile, unreduced) for one
+    shape; unreduced: for FP8 GEMMs that split K, the same launches leaving their FP32
+    partials unsummed (as DenseMlp's gate_up does): the split-K fixup's cost is the gap."""
     x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
-    ours, stock, nbytes, err = [], [], 0, 0.0
+    ours, stock, unreduced, nbytes, err = [], [], [], 0, 0.0
     name = "cublas"
     for _ in range(copies):
         if kind in ("bf16", "router"):
@@ -155,8 +157,10 @@ def build(kind, n, k, m, copies, gen, tile: Tile | None):
             y = op(x).double()
             err = max(err, ((y - ref).norm() / ref.norm()).item())
         ours.append(lambda op=op, x=x: op(x))
+        if kind == "fp8" and op.tiles[m].split_k > 1:
+            unreduced.append(lambda op=op, x=x: op._split_partials(x, m))
     plan = getattr(op, "tiles", {}).get(m)
-    return ours, stock, name, nbytes, err, plan and vars(plan)
+    return ours, stock, name, nbytes, err, plan and vars(plan), unreduced
 
 
 def copies_for(nbytes: int, l2: int) -> int:
@@ -190,7 +194,8 @@ def main() -> None:
             for m in (int(t) for t in args.tokens.split(",")):
                 weight = n * k * {"bf16": 2, "router": 2, "fp8": 1, "mlp": 1.5}[kind]
                 copies = copies_for(int(weight), props.L2_cache_size)
-                ours, stock, stock_name, nbytes, err, tile = build(kind, n, k, m, copies, gen, None)
+                built = build(kind, n, k, m, copies, gen, None)
+                ours, stock, stock_name, nbytes, err, tile, unreduced = built
                 row = {
                     "tp": tp, "op": op_name, "kind": kind, "n": n, "k": k, "m": m,
                     "bytes": nbytes, "floor_us": nbytes / peak * 1e6,
@@ -198,6 +203,7 @@ def main() -> None:
                     "tile": tile,
                     "stock": stock_name if stock else None,
                     "stock_us": graph_calls_us(stock) if stock else None,
+                    "unreduced_us": graph_calls_us(unreduced) if unreduced else None,
                 }  # fmt: skip
                 row["hbm_fraction"] = row["floor_us"] / row["ours_us"]
                 row["speedup_vs_stock"] = (
@@ -209,11 +215,12 @@ def main() -> None:
                     f"tp{tp} {op_name:18s} m={m:2d} {nbytes / 1e6:8.1f} MB  ours "
                     f"{row['ours_us']:8.1f} us ({row['hbm_fraction']:.0%} HBM)  stock "
                     + (f"{row['stock_us']:8.1f} us" if row["stock_us"] else "    n/a")
-                    + f"  err {err:.1e}",
+                    + f"  err {err:.1e}"
+                    + (f"  unreduced {row['unreduced_us']:.1f} us" if unreduced else ""),
                     flush=True,
                 )
                 rows.append(row)
-                del ours, stock
+                del ours, stock, unreduced
                 torch.cuda.empty_cache()
     write_result(args.out, {
         **provenance("skinny_gemm", args),
