@@ -390,8 +390,9 @@ class DenseMlp:
     weights are one rank's shard).
 
     gate_up [2I, D] e4m3 (gate rows, then up rows) with scales [2I/128, D/128]; down [D, I]
-    e4m3 with scales [D/128, I/128]; clamped SwiGLU at `swiglu_limit`, fused into the down
-    GEMM's activation load. Numerics follow vLLM's stock sequence (BF16 between the GEMMs).
+    e4m3 with scales [D/128, I/128]; clamped SwiGLU at `swiglu_limit`, formed where the
+    down GEMM's activations are quantized. Numerics follow vLLM's stock sequence (BF16
+    between the GEMMs, also where gate_up's split-K partials are summed by that quantization).
     """
 
     def __init__(
