@@ -343,14 +343,16 @@ class Fp8Linear(_SkinnyGemm):
     def _split_partials(self, x: Tensor, m: int) -> Tensor | None:
         """The product's FP32 split-K partials [splits, M, N], left for the consumer to sum
         (DenseMlp's SwiGLU quantization), or None where this token count's plan does not
-        split K (or quantizes inside the GEMM, whose consumer then gets no quantize kernel)."""
+        split K."""
         t = self.tiles[m]
-        if t.split_k == 1 or not t.quantize_first:
+        if t.split_k == 1:
             return None
         parts = torch.empty(t.split_k, m, self.n, dtype=torch.float32, device=x.device)
         return self._launch(x, m, parts, partials=True)
 
-    def _launch(self, x: Tensor, m: int, out: Tensor, *, partials: bool = False, parts: int = 0):
+    def _launch(
+        self, x: Tensor, m: int, out: Tensor, *, partials: bool = False, parts: int = 0
+    ) -> Tensor:
         """Quantize (unless the plan does it in the GEMM) and run the GEMM into `out`.
         `partials`: out is [splits, M, N] FP32 and the splits are not reduced; `parts`: x is
         such a [parts, M, 2K] producer output (SwiGLU input), summed while quantizing."""
@@ -421,12 +423,12 @@ class DenseMlp:
         return self.gate_up.supports(m)
 
     def prepare(self, tokens: Iterable[int]) -> None:
-        """Compile and run once for each token count (do this before CUDA-graph capture)."""
+        """Compile and run once for each token count (do this before CUDA-graph capture):
+        the MLP's own launches, and each GEMM's standalone ones (they are callable too)."""
+        tokens = list(tokens)
+        self.gate_up.prepare(tokens)
+        self.down.prepare(tokens)
         for m in tokens:
-            if not self.supports(m):
-                raise ValueError(
-                    f"{type(self).__name__}: M={m} outside 1..{self.gate_up.max_tokens}"
-                )
             self(torch.zeros(m, self.gate_up.k, dtype=torch.bfloat16, device=self.gate_up._device))
 
     def __call__(self, x: Tensor, out: Tensor | None = None) -> Tensor:
@@ -434,7 +436,7 @@ class DenseMlp:
 
         Where gate_up splits K, its FP32 partials go unreduced to the down GEMM's SwiGLU
         quantization, which sums them in the fixup's order and rounding (so the same values):
-        the fixup's counter and L2 round trips cost gate_up 1.5-2 us on the H200."""
+        the fixup's release, counter and L2 round trips cost gate_up 1.6-3.3 us on the H200."""
         m = self.gate_up._check_input(x)
         if m not in self._ready:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
