@@ -32,6 +32,7 @@ from glm5_kernels.gemm import (
     Router,
     Tile,
     fp8_linear_ref,
+    fp8_mlp_ref,
     linear_ref,
     quantize_tokens_fp8_ref,
 )
@@ -149,13 +150,12 @@ def build(kind, n, k, m, copies, gen, tile: Tile | None):
 
                 stock.append(mlp)
                 name = "torch._scaled_mm x2 + torch SwiGLU / quantization ops"
-            ref = None
+            ref = fp8_mlp_ref(x, q13, s13, q2, s2, 10.0).double()  # the stock sequence's values
         if tile is not None:
             op.tiles[m] = tile
         op.prepare([m])
-        if ref is not None:
-            y = op(x).double()
-            err = max(err, ((y - ref).norm() / ref.norm()).item())
+        y = op(x).double()
+        err = max(err, ((y - ref).norm() / ref.norm()).item())
         ours.append(lambda op=op, x=x: op(x))
         if kind == "fp8" and op.tiles[m].split_k > 1:
             unreduced.append(lambda op=op, x=x: op._split_partials(x, m))
