@@ -114,7 +114,7 @@ def test_default_tables_cover_every_stage_with_the_seeds_split(family):
     # The seeds: per-route experts for small steps, grouped experts for large ones.
     assert policy("moe", 1) == "per_route" and policy("moe", MAX_TOKENS) == "grouped"
     # Measured off: on the H200 the skinny LM head is only at parity with cuBLAS at TP 1
-    # (0.95-1.04x over two runs, benchmarks/results/skinny_gemm_h200.json), so SM90 keeps
+    # (0.95-1.04x over three runs, benchmarks/results/skinny_gemm_h200.json), so SM90 keeps
     # the stock head.
     off = {"logits_head"} if family == "sm90" else set()
     assert {stage for stage in STAGES if not policy.enabled(stage)} == off
