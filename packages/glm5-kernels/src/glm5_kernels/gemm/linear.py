@@ -153,6 +153,18 @@ def _raise(op: str, problems: list[str]) -> None:
         raise ValueError(f"{op}: " + "; ".join(problems))
 
 
+def _first_call(op, m: int) -> None:
+    """Record that `op` has run (so compiled) for M tokens; a first call inside CUDA-graph
+    capture is refused, since it would compile there."""
+    if m not in op._ready:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{type(op).__name__}: M={m} was not prepared; call prepare() before "
+                "CUDA-graph capture (a capture must never compile)"
+            )
+        op._ready.add(m)
+
+
 class _SkinnyGemm:
     """Host side shared by the ops: tiles per token count, split-K scratch, prepare/capture."""
 
@@ -207,13 +219,7 @@ class _SkinnyGemm:
         if not self.supports(m):
             problems.append(f"x: M={m} outside the compiled range 1..{self.max_tokens}")
         _raise(type(self).__name__, problems)
-        if m not in self._ready:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    f"{type(self).__name__}: M={m} was not prepared; call prepare() before "
-                    "CUDA-graph capture (a capture must never compile)"
-                )
-            self._ready.add(m)
+        _first_call(self, m)
         return m
 
     def _output(self, m: int, out: Tensor | None) -> Tensor:
@@ -438,13 +444,7 @@ class DenseMlp:
         quantization, which sums them in the fixup's order and rounding (so the same values):
         the fixup's release, counter and L2 round trips cost gate_up 1.6-3.3 us on the H200."""
         m = self.gate_up._check_input(x)
-        if m not in self._ready:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    f"{type(self).__name__}: M={m} was not prepared; call prepare() before "
-                    "CUDA-graph capture (a capture must never compile)"
-                )
-            self._ready.add(m)
+        _first_call(self, m)
         out = self.down._output(m, out)
         parts = self.gate_up._split_partials(x, m)
         if parts is None:
