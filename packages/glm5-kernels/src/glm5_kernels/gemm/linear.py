@@ -382,8 +382,9 @@ class Fp8Linear(_SkinnyGemm):
             x, swiglu = xq, False
         per_split = -(-k_tiles // t.split_k)
         per_split += -per_split % t.blocks
+        scratch = out if partials else self._scratch(t)  # unreduced partials need no fixup
         fp8_gemm_kernel[(-(-self.n // t.bn), t.split_k)](
-            x, scales, self.weight, self.scale, out, self._scratch(t), self._counts,
+            x, scales, self.weight, self.scale, out, scratch, self._counts,
             m, self.n, self.k, x.stride(0), out.stride(-2), per_split, limit,
             BM=t.bm, BN=t.bn, SPLIT_K=t.split_k, KB=t.blocks, UE8M0=self.ue8m0,
             SCALE_E8M0=self.scale_e8m0, SWIGLU=swiglu, X_FP8=t.quantize_first or bool(parts),
