@@ -12,6 +12,13 @@ successor at entry: "dependent" waits for its predecessor before reading, as a G
 "independent" waits only before its store, so successive reads overlap — a ceiling only a
 kernel whose reads need nothing from its predecessor (a weight prefetch) could approach.
 
+`--chains` bounds each skinny-GEMM op of >= 20 MB (glm5_kernels.gemm.shapes, TP 1 and 4) by
+its launch structure: one call is the op's launches in order, each a dependent PDL read of
+the bytes that launch streams (a Projection: its weight; an Fp8Linear: the activations'
+quantization, then weight + scales; an FP8 MLP: quantization, gate_up, the SwiGLU's
+quantization, down), each at its best grid. No kernel with those launches, each waiting for
+its inputs before it reads, is faster than its chain of pure reads.
+
     PYTHONPATH=packages/glm5-kernels/src python benchmarks/read_ceiling.py \\
         --out benchmarks/results/read_ceiling_h200.json
 """
@@ -32,10 +39,13 @@ from provenance import provenance, write_result
 from skinny_gemm import bandwidth, copies_for
 
 from glm5_kernels.gemm import Projection
+from glm5_kernels.gemm.shapes import flash_shapes
 from glm5_kernels.timing import graph_calls_us
 
 K = 4096  # weights as [N, 4096] BF16 (the model's hidden size)
 SIZES_MB = (8, 16, 20, 24, 34, 48, 70, 100, 200, 400, 1270)
+SCOPE = 20e6  # the goal's scope: weights of at least 20 MB
+ACTIVATIONS = 16 * 4096 * 2  # what a quantization launch reads at 16 tokens (BF16)
 
 
 @triton.jit
@@ -71,10 +81,81 @@ def read_fn(w: torch.Tensor, programs: int, block: int, pdl: int = 0):
     return fn, out
 
 
+def launches(kind: str, n: int, k: int) -> list[int]:
+    """Bytes each launch of one skinny-GEMM op streams, in launch order."""
+    if kind in ("bf16", "router"):
+        return [2 * n * k]
+    scales = -(-n // 128) * -(-k // 128) * 4
+    if kind == "fp8":
+        return [ACTIVATIONS, n * k + scales]
+    i = n // 2  # mlp: gate_up [2I, D], down [D, I]
+    return [ACTIVATIONS, n * k + scales, 2 * i * 16 * 2, k * i + scales // 2]
+
+
+def best_dependent_read(nbytes: int, sms: int, cache: dict) -> tuple[float, int, int]:
+    """(us, programs, block) of the fastest dependent PDL read of `nbytes`, checked."""
+    if nbytes not in cache:
+        n = nbytes // 2
+        copies = copies_for(nbytes, torch.cuda.get_device_properties(0).L2_cache_size)
+        ws = [torch.randn(n, device="cuda").bfloat16() for _ in range(copies)]
+        best = None
+        for programs in (sms, 4 * sms, 8 * sms, 16 * sms, 32 * sms):
+            for block in (1024, 2048, 4096):
+                if programs * block > 4 * n and programs > sms:
+                    continue  # more lanes than elements
+                fns = [read_fn(w, programs, block, 1)[0] for w in ws]
+                out = fns[-1]()
+                torch.cuda.synchronize()
+                assert torch.allclose(out.double().sum(), ws[-1].double().sum(), rtol=1e-3, atol=1)
+                us = graph_calls_us(fns)
+                if best is None or us < best[0]:
+                    best = (us, programs, block)
+        cache[nbytes] = best
+    return cache[nbytes]
+
+
+def chain_ceilings(sms: int, peak: float, l2: int) -> list[dict]:
+    """Each >= 20 MB op's launch structure as back-to-back dependent reads (see the module
+    docstring): the fastest a kernel with those launches can be under this timing."""
+    rows, cache = [], {}
+    for tp in (1, 4):
+        for op, (kind, n, k) in flash_shapes(tp).items():
+            reads = launches(kind, n, k)
+            if sum(reads[1::2] if len(reads) > 1 else reads) < SCOPE:  # weights + scales
+                continue
+            configs = [best_dependent_read(b, sms, cache) for b in reads]
+            copies = copies_for(sum(reads), l2)
+            bufs = [[torch.ones(b // 2, device="cuda", dtype=torch.bfloat16) for b in reads]
+                    for _ in range(copies)]  # fmt: skip
+            calls = []
+            for chain in bufs:
+                fns = [read_fn(w, c[1], c[2], 1)[0] for w, c in zip(chain, configs, strict=True)]
+                calls.append(lambda fns=fns: [fn() for fn in fns])
+            chain_us = graph_calls_us(calls)
+            floor_us = sum(reads) / peak * 1e6
+            row = {
+                "tp": tp, "op": op, "kind": kind, "launch_mb": [b / 1e6 for b in reads],
+                "floor_us": floor_us, "chain_us": chain_us, "fraction": floor_us / chain_us,
+                "launch_us_alone": [c[0] for c in configs],
+            }  # fmt: skip
+            print(
+                f"tp{tp} {op:16s} launches {', '.join(f'{b / 1e6:.2f}' for b in reads)} MB: "
+                f"chain {chain_us:6.1f} us, floor {floor_us:6.1f} us ({row['fraction']:.0%})",
+                flush=True,
+            )
+            rows.append(row)
+            del bufs, calls
+            torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     parser.add_argument("--commit", help="the code's commit, where this tree's git lacks it")
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES_MB)),
+                        help="MB of the single reads ('' for none)")  # fmt: skip
+    parser.add_argument("--chains", action="store_true", help="also the ops' launch chains")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     bw = bandwidth()
@@ -82,7 +163,7 @@ def main() -> None:
     sms = props.multi_processor_count
     print(f"{props.name}: read {bw['read'] / 1e12:.2f} TB/s, copy {bw['copy'] / 1e12:.2f} TB/s")
     rows = []
-    for mb in SIZES_MB:
+    for mb in (float(s) for s in args.sizes.split(",") if s):
         n = round(mb * 1e6 / (2 * K) / 64) * 64
         nbytes = n * K * 2
         copies = copies_for(nbytes, props.L2_cache_size)
@@ -139,6 +220,7 @@ def main() -> None:
         "triton": triton.__version__,
         "bandwidth_tbps": {k: v / 1e12 for k, v in bw.items()},
         "rows": rows,
+        "chains": chain_ceilings(sms, peak, props.L2_cache_size) if args.chains else [],
     })  # fmt: skip
 
 
