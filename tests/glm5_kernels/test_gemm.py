@@ -204,12 +204,6 @@ def test_plan_covers_k_without_empty_splits(m, n, k, sms, fp8):
     assert t.stages >= 2 and t.stages * per_stage <= 200 << 10
 
 
-def test_plan_fp8_prefers_equal_splits():
-    # TP 4 dense gate_up: 16 steps of two K blocks; 3 splits would be 6 / 6 / 4 steps.
-    assert plan(16, 6144, 4096, sms=132, fp8=True).split_k == 4
-    assert plan(16, 4096, 12288, sms=132, fp8=True).split_k == 4  # already equal: kept
-
-
 def test_flash_shapes_are_fp8_aligned():
     for tp in (1, 2, 4, 8):
         for name, (kind, n, k) in flash_shapes(tp).items():

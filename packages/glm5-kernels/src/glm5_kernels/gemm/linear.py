@@ -101,9 +101,6 @@ def plan(
         blocks = 2 if k_tiles % 2 == 0 and budget >= 3 * 2 * per_block else 1
         most = 6 if blocks == 1 else 3 if m <= 16 else 4  # swept: 3 (M <= 16), 4 (above)
         stages = max(2, min(most, budget // (blocks * per_block)))
-    steps = k_tiles // blocks
-    if fp8 and 1 < splits < k_tiles // 4 and steps % splits and steps % (splits + 1) == 0:
-        splits += 1  # equal splits, not a short last one (H200, TP 4 dense gate_up: 3 -> 4)
     if splits > 1:  # every split a multiple of the step's blocks, none empty
         per_split = -(-k_tiles // splits)
         per_split += -per_split % blocks
