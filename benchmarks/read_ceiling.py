@@ -12,15 +12,18 @@ successor at entry: "dependent" waits for its predecessor before reading, as a G
 "independent" waits only before its store, so successive reads overlap — a ceiling only a
 kernel whose reads need nothing from its predecessor (a weight prefetch) could approach.
 
-`--chains` bounds each skinny-GEMM op of >= 20 MB (glm5_kernels.gemm.shapes, TP 1 and 4) by
-its launch structure: one call is the op's launches in order, each a dependent PDL read of
-the bytes that launch streams (a Projection: its weight; an Fp8Linear: the activations'
-quantization, then weight + scales; an FP8 MLP: quantization, gate_up, the SwiGLU's
-quantization, down), each at its best grid. No kernel with those launches, each waiting for
-its inputs before it reads, is faster than its chain of pure reads.
+`--chains` (instead of the single reads) bounds each skinny-GEMM op of >= 20 MB
+(glm5_kernels.gemm.shapes, TP 1 and 4) by its launch structure: one call is the op's launches
+in order, each a dependent PDL read of the bytes that launch streams (a Projection: its
+weight; an Fp8Linear: the activations' quantization, then weight + scales; an FP8 MLP:
+quantization, gate_up, the SwiGLU's quantization, down), each at its best grid. No kernel
+with those launches, each waiting for its inputs before it reads, is faster than its chain of
+pure reads.
 
     PYTHONPATH=packages/glm5-kernels/src python benchmarks/read_ceiling.py \\
         --out benchmarks/results/read_ceiling_h200.json
+    PYTHONPATH=packages/glm5-kernels/src python benchmarks/read_ceiling.py --chains \\
+        --out benchmarks/results/launch_ceiling_h200.json
 """
 
 from __future__ import annotations
@@ -153,9 +156,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     parser.add_argument("--commit", help="the code's commit, where this tree's git lacks it")
-    parser.add_argument("--sizes", default=",".join(map(str, SIZES_MB)),
-                        help="MB of the single reads ('' for none)")  # fmt: skip
-    parser.add_argument("--chains", action="store_true", help="also the ops' launch chains")
+    parser.add_argument("--chains", action="store_true",
+                        help="time the ops' launch chains instead of the single reads")  # fmt: skip
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     bw = bandwidth()
@@ -163,7 +165,7 @@ def main() -> None:
     sms = props.multi_processor_count
     print(f"{props.name}: read {bw['read'] / 1e12:.2f} TB/s, copy {bw['copy'] / 1e12:.2f} TB/s")
     rows = []
-    for mb in (float(s) for s in args.sizes.split(",") if s):
+    for mb in () if args.chains else SIZES_MB:
         n = round(mb * 1e6 / (2 * K) / 64) * 64
         nbytes = n * K * 2
         copies = copies_for(nbytes, props.L2_cache_size)

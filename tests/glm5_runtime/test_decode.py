@@ -224,3 +224,15 @@ def test_planned_step_from_input_embeddings():
         else:
             out.append(decode.run(decision.step, tokens, step))
     assert torch.equal(out[1], out[0])
+
+
+def test_gate_up_is_read_in_place_where_the_backbone_holds_it_merged():
+    from glm5_runtime.decode import _stacked
+
+    merged = torch.randn(6, 4)  # vLLM's gate_up_proj: gate rows, then up rows
+    both = _stacked(merged[:2], merged[2:])
+    assert both.data_ptr() == merged.data_ptr() and torch.equal(both, merged)
+    for a, b in ((torch.randn(2, 4), torch.randn(3, 4)), (merged[:2], merged[3:])):
+        both = _stacked(a, b)  # apart (the checkpoint's), or not adjacent: a copy
+        assert torch.equal(both, torch.cat([a, b]))
+        assert both.untyped_storage().data_ptr() != merged.untyped_storage().data_ptr()

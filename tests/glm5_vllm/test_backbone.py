@@ -81,6 +81,17 @@ def test_layers_and_weights_map_onto_vllms_parameters(built):
         assert torch.equal(w, sd[name].to(w.dtype)), name
         # A view into vLLM's own storage: read, never copied.
         assert any(w.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for p in params)
+    # Each layer's fused attention weight holds its projections' rows in order, in one tensor.
+    for i in range(g.num_hidden_layers):
+        held = {f: b.weight(0, f"layers.{i}.self_attn.{f}.weight") for f in b.fused_projections}
+        held = {f: w for f, w in held.items() if w is not None}
+        assert list(held) == ["fused_qkv_a_proj" if g.is_mla(i) else "in_proj_qkvbfg_a"]
+        for fused, whole in held.items():
+            start = 0
+            for p in b.fused_projections[fused]:
+                w = b.weight(0, f"layers.{i}.self_attn.{p}.weight")
+                assert w.data_ptr() == whole[start].data_ptr(), (i, p)
+                start += w.shape[0]
     # Unquantized here: no block scales; a name no module holds is None.
     assert b.weight(0, "layers.0.mlp.gate_proj.weight_scale_inv") is None
     assert b.weight(0, "layers.0.self_attn.q_a_proj.weight") is None  # a KDA layer
@@ -192,15 +203,21 @@ def test_model_binds_the_specialized_decode_and_runs_stock_when_unplanned(built,
     decode = models._bind(model, config)
     assert isinstance(decode, SpecializedDecode) and isinstance(decode.backbone, VllmBackbone)
     # The KDA and MLA / indexer projections of every layer are stage ops over views of vLLM's
-    # weights (the fused q_a | kv_a and q | k | v | ... projections by part).
+    # weights; vLLM's fused q_a | kv_a and q | k | v | b | f_a | g_a weights are served
+    # whole, one op each (as vLLM runs them: one GEMM, no concatenation of parts).
     g = built[2].g
-    mla = ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "o_proj", "indexer.wq_b")
+    mla = ("fused_qkv_a_proj", "q_b_proj", "o_proj", "indexer.wq_b")
     routed = {name for _, name, _ in decode.routes[2]}
     assert routed == {
         f"layers.{i}.self_attn.{p}.weight"
         for i in range(g.num_hidden_layers)
-        for p in (mla if g.is_mla(i) else ("q_proj", "k_proj", "v_proj"))
+        for p in (mla if g.is_mla(i) else ("in_proj_qkvbfg_a",))
     }
+    layer5 = model.model.layers[5].self_attn
+    ops = {name: op for _, name, op in decode.routes[2]}
+    assert ops["layers.5.self_attn.in_proj_qkvbfg_a.weight"].weight.data_ptr() == (
+        layer5.in_proj_qkvbfg_a.weight.data_ptr()
+    )  # the whole fused weight, not a copy
     decode.prepare()
     # Installed for a planned 2-token step, the Triton stage ops (the interpreter, here)
     # serve vLLM's fused projections; uninstalled, vLLM's own GEMMs again.

@@ -104,8 +104,10 @@ def test_mtp_model_binds_the_specialized_draft_and_runs_stock_when_unplanned(bui
     draft = models._bind(model, config, draft=True)
     assert isinstance(draft, SpecializedDraft)
     routed = {name for _, name, _ in draft.routes[2]}
+    # q_a | kv_a: one op over vLLM's fused weight; the other projections one each.
     assert routed == {f"layers.{mtp}.eh_proj.weight"} | {
-        f"layers.{mtp}.self_attn.{n}.weight" for n in MLA
+        f"layers.{mtp}.self_attn.{n}.weight"
+        for n in ("fused_qkv_a_proj", "q_b_proj", "o_proj", "indexer.wq_b")
     }
     draft.prepare()
     # Installed, the Triton eh_proj stage (interpreted) serves vLLM's nn.Linear eh_proj.

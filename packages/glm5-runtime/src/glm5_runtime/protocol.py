@@ -48,6 +48,12 @@ class Backbone(Protocol):
     swiglu_limit: float
     ue8m0: bool  # FP8 activation scales rounded to powers of two (DeepGEMM's E8M0 mode)
     aux_layers: tuple[int, ...]  # layers whose hidden states a drafter collects
+    # Attention weights holding several HF projections in one tensor, as the backbone runs
+    # them: fused name (under a layer's `self_attn.`) -> the projections in it a stage may
+    # serve. A stage serving all of those serves the fused weight whole, with one op
+    # (`weight` / `route` of `layers.{i}.self_attn.<fused>.weight`; the op computes every
+    # part, as the backbone's module does). Empty where the projections are kept apart.
+    fused_projections: Mapping[str, tuple[str, ...]]
 
     def weight(self, shard: int, name: str) -> Tensor | None:
         """Shard `shard`'s tensor of HF name `name` (FP8 weights: `<name>_scale_inv`

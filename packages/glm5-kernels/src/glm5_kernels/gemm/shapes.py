@@ -5,24 +5,26 @@ benchmarks run at. (kind, N, K): kind "bf16" (Projection), "router" (BF16 -> FP3
 HIDDEN, VOCAB, EXPERTS = 4096, 154880, 288
 MLA_HEADS, NOPE, V_HEAD, Q_LORA, KV_LORA = 64, 256, 256, 1536, 512
 INDEX_HEADS, INDEX_DIM = 32, 128
-KDA_WIDTH = 64 * 128  # linear_num_heads x linear_head_dim
+KDA_HEADS, KDA_HEAD_DIM = 64, 128  # linear_num_heads, linear_head_dim
+KDA_WIDTH = KDA_HEADS * KDA_HEAD_DIM
 DENSE_I, MOE_I = 12288, 2048
 
 
 def flash_shapes(tp: int) -> dict[str, tuple[str, int, int]]:
     """name -> (kind, N, K) for one rank of a TP-`tp` deployment (replicated weights whole)."""
     return {
-        # MLA + DSA (BF16). q_a and kv_a are replicated; vLLM fuses them (fused_qkv_a_proj),
-        # the runtime's dsa_proj stage serves each part with its own Projection.
+        # MLA + DSA (BF16). q_a and kv_a are replicated; vLLM fuses them (fused_qkv_a_proj,
+        # which the dsa_proj stage serves whole), the reference keeps them apart.
         "mla.fused_qkv_a": ("bf16", Q_LORA + KV_LORA, HIDDEN),
         "mla.q_a": ("bf16", Q_LORA, HIDDEN),
         "mla.kv_a": ("bf16", KV_LORA, HIDDEN),
         "mla.q_b": ("bf16", MLA_HEADS * NOPE // tp, Q_LORA),
         "mla.o_proj": ("bf16", HIDDEN, MLA_HEADS * V_HEAD // tp),
         "indexer.wq_b": ("bf16", INDEX_HEADS * INDEX_DIM, Q_LORA),
-        # KDA (BF16): q | k | v projections fused, one of them (the kda_proj stage serves
-        # each), output projection.
-        "kda.qkv": ("bf16", 3 * KDA_WIDTH // tp, HIDDEN),
+        # KDA (BF16): vLLM's fused input projection q | k | v | b (per head) | f_a | g_a
+        # (f_a, g_a replicated; the kda_proj stage serves it whole there), one of q / k / v
+        # (it serves each where they are apart), output projection.
+        "kda.in_proj": ("bf16", (3 * KDA_WIDTH + KDA_HEADS) // tp + 2 * KDA_HEAD_DIM, HIDDEN),
         "kda.q": ("bf16", KDA_WIDTH // tp, HIDDEN),
         "kda.o_proj": ("bf16", HIDDEN, KDA_WIDTH // tp),
         "mtp.eh_proj": ("bf16", HIDDEN, 2 * HIDDEN),

@@ -5,6 +5,7 @@ a ReferenceModel's layers, weights and stock stages to the specialized decode. I
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import torch
 from torch import Tensor
@@ -25,6 +26,7 @@ class ReferenceBackbone:
     the shards)."""
 
     aux_layers: tuple[int, ...] = ()
+    fused_projections: Mapping[str, tuple[str, ...]] = MappingProxyType({})  # HF: apart
 
     def __init__(self, model: ReferenceModel):
         g = model.g
