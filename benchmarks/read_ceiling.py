@@ -95,25 +95,29 @@ def launches(kind: str, n: int, k: int) -> list[int]:
     return [ACTIVATIONS, n * k + scales, 2 * i * 16 * 2, k * i + scales // 2]
 
 
+def best_read(ws: list[torch.Tensor], pdl: int, grids: tuple[int, ...]) -> tuple[float, int, int]:
+    """(us, programs, block) of the fastest read of the flat BF16 tensors `ws` (rotated)
+    over `grids` x block widths, each checked against torch's sum."""
+    best = None
+    for programs in grids:
+        for block in (1024, 2048, 4096):
+            fns = [read_fn(w, programs, block, pdl)[0] for w in ws]
+            out = fns[-1]()
+            torch.cuda.synchronize()
+            want = ws[-1].double().sum()
+            assert torch.allclose(out.double().sum(), want, rtol=1e-3, atol=1.0)
+            us = graph_calls_us(fns)
+            if best is None or us < best[0]:
+                best = (us, programs, block)
+    return best
+
+
 def best_dependent_read(nbytes: int, sms: int, cache: dict) -> tuple[float, int, int]:
-    """(us, programs, block) of the fastest dependent PDL read of `nbytes`, checked."""
+    """(us, programs, block) of the fastest dependent PDL read of `nbytes` (cached)."""
     if nbytes not in cache:
-        n = nbytes // 2
         copies = copies_for(nbytes, torch.cuda.get_device_properties(0).L2_cache_size)
-        ws = [torch.randn(n, device="cuda").bfloat16() for _ in range(copies)]
-        best = None
-        for programs in (sms, 4 * sms, 8 * sms, 16 * sms, 32 * sms):
-            for block in (1024, 2048, 4096):
-                if programs * block > 4 * n and programs > sms:
-                    continue  # more lanes than elements
-                fns = [read_fn(w, programs, block, 1)[0] for w in ws]
-                out = fns[-1]()
-                torch.cuda.synchronize()
-                assert torch.allclose(out.double().sum(), ws[-1].double().sum(), rtol=1e-3, atol=1)
-                us = graph_calls_us(fns)
-                if best is None or us < best[0]:
-                    best = (us, programs, block)
-        cache[nbytes] = best
+        ws = [torch.randn(nbytes // 2, device="cuda").bfloat16() for _ in range(copies)]
+        cache[nbytes] = best_read(ws, 1, (sms, 4 * sms, 8 * sms, 16 * sms, 32 * sms))
     return cache[nbytes]
 
 
@@ -172,22 +176,11 @@ def main() -> None:
         ws = [torch.randn(n, K, device="cuda").bfloat16() for _ in range(copies)]
         floor_us = nbytes / peak * 1e6
         # The streaming read, checked against torch's sum, at its best grid / block width.
-        reads = {}
-        for pdl, key in enumerate(("read", "read_pdl_dependent", "read_pdl_independent")):
-            best = None
-            for programs in (4 * sms, 8 * sms, 16 * sms, 32 * sms):
-                for block in (1024, 2048, 4096):
-                    fns = []
-                    for w in ws:
-                        fn, out = read_fn(w.view(-1), programs, block, pdl)
-                        fns.append(fn)
-                    fn()
-                    want = ws[-1].float().sum()
-                    assert torch.allclose(out.double().sum(), want.double(), rtol=1e-3, atol=1.0)
-                    us = graph_calls_us(fns)
-                    if best is None or us < best[0]:
-                        best = (us, programs, block)
-            reads[key] = best
+        grids = (4 * sms, 8 * sms, 16 * sms, 32 * sms)
+        keys = ("read", "read_pdl_dependent", "read_pdl_independent")
+        reads = {
+            key: best_read([w.view(-1) for w in ws], pdl, grids) for pdl, key in enumerate(keys)
+        }
         best = reads["read"]
         x = torch.randn(1, K, device="cuda").bfloat16()
         torch_sum = graph_calls_us([lambda w=w: torch.sum(w, dtype=torch.float32) for w in ws])
