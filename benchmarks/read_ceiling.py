@@ -39,11 +39,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, str(Path(__file__).parent))
 from provenance import provenance, write_result
-from skinny_gemm import bandwidth, copies_for
+from skinny_gemm import copies_for
 
 from glm5_kernels.gemm import Projection
 from glm5_kernels.gemm.shapes import flash_shapes
-from glm5_kernels.timing import graph_calls_us
+from glm5_kernels.timing import graph_calls_us, hbm_bandwidth
 
 K = 4096  # weights as [N, 4096] BF16 (the model's hidden size)
 SIZES_MB = (8, 16, 20, 24, 34, 48, 70, 100, 200, 400, 1270)
@@ -164,8 +164,8 @@ def main() -> None:
                         help="time the ops' launch chains instead of the single reads")  # fmt: skip
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
-    bw = bandwidth()
-    peak = max(bw.values())
+    bw = hbm_bandwidth()
+    peak = bw["floor"]
     sms = props.multi_processor_count
     print(f"{props.name}: read {bw['read'] / 1e12:.2f} TB/s, copy {bw['copy'] / 1e12:.2f} TB/s")
     rows = []

@@ -6,7 +6,7 @@ Stock: BF16 -> cuBLAS (`x @ wᵀ`; router: `torch.mm(..., out_dtype=float32)` wh
 it, else cuBLAS BF16 + cast); FP8 -> torch._scaled_mm with 1x128 / 128x128 block scales
 (CUTLASS) on activations quantized beforehand (the quantization is *not* charged to stock);
 FP8 MLP -> the same two GEMMs plus torch's SwiGLU and quantization ops. Floor: weights +
-scales + activations + outputs / the better of read-only and copy bandwidth measured here.
+scales + activations + outputs / `glm5_kernels.timing.hbm_bandwidth` measured in the same run.
 Timing: each op is captured many times in one CUDA graph over rotating weight copies that
 together exceed 4x L2 (every call streams cold weights); median over replays / calls.
 Every timed op is first checked against its FP64 reference.
@@ -36,65 +36,24 @@ from glm5_kernels.gemm import (
     linear_ref,
     quantize_tokens_fp8_ref,
 )
+from glm5_kernels.gemm.library import (
+    block_fp8_supported,
+    fp8_linear_library,
+    scaled_mm_block,
+    supports,
+)
 from glm5_kernels.gemm.shapes import flash_shapes
 from glm5_kernels.quant import quantize_fp8_block_ref
-from glm5_kernels.timing import graph_calls_us
-
-
-def bandwidth() -> dict[str, float]:
-    """Bytes/s: a 4 GiB read-only reduction and a 2 GiB device copy (read + write)."""
-    big = torch.ones(1 << 31, dtype=torch.bfloat16, device="cuda")
-    read = graph_calls_us([lambda b=big: torch.sum(b, dtype=torch.float32)] * 4)
-    src = big.view(torch.uint8)[: 2 << 30]
-    dst = torch.empty_like(src)
-    copy = graph_calls_us([lambda d=dst, s=src: d.copy_(s)] * 4)
-    return {"read": (2 << 31) / (read * 1e-6), "copy": 2 * (2 << 30) / (copy * 1e-6)}
-
-
-# torch._scaled_mm's block-scaled (1x128 activations, 128x128 weights) scale layouts differ
-# between releases; the first candidate that runs and matches the reference is kept.
-SCALE_LAYOUTS = {
-    "a[M,K/128] outer-major, b[K/128,N/128]": lambda sx, s: (sx.T.contiguous().T, s.T),
-    "a[M,K/128] outer-major, b[N/128,K/128]": lambda sx, s: (sx.T.contiguous().T, s),
-    "a[M,K/128], b[K/128,N/128]": lambda sx, s: (sx, s.T.contiguous()),
-    "a[M,K/128], b[N/128,K/128]": lambda sx, s: (sx, s),
-    "a[M,K/128] outer-major, b[K/128,N/128] contiguous": lambda sx, s: (
-        sx.T.contiguous().T,
-        s.T.contiguous(),
-    ),
-}
-_layout: list = []
+from glm5_kernels.timing import graph_calls_us, hbm_bandwidth
 
 
 def stock_fp8(x, w, s):
-    """torch._scaled_mm with block scales on pre-quantized activations (None: unsupported).
-    Where it refuses M (too few rows), the activations are padded to 16 rows, as a stock
-    CUTLASS block-FP8 path pads them."""
-    ref = fp8_linear_ref(x, w, s, out_dtype=torch.float64)
-    rows = x.shape[0]
-    for xp in (x, torch.nn.functional.pad(x, (0, 0, 0, -rows % 16))):
-        xq, sx = quantize_tokens_fp8_ref(xp)
-        for name, layout in [_layout[0]] if _layout else SCALE_LAYOUTS.items():
-            sa, sb = layout(sx, s)
-            try:
-                out = torch._scaled_mm(xq, w.T, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
-            except (RuntimeError, NotImplementedError, TypeError):
-                continue
-            if (out[:rows].double() - ref).norm() / ref.norm() < 1e-2:
-                if not _layout:
-                    print(f"  torch._scaled_mm block scales: {name}")
-                    _layout.append((name, layout))
-                return lambda xq=xq, sa=sa, sb=sb: torch._scaled_mm(
-                    xq, w.T, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16
-                )
-    return None
-
-
-def scaled_mm(x, w, s):
-    """Stock block-FP8 linear: quantize the activations, then torch._scaled_mm."""
+    """torch._scaled_mm with block scales on pre-quantized activations (None: unsupported),
+    its rows padded to 16 beforehand, as a stock CUTLASS block-FP8 path pads them."""
+    if block_fp8_supported(x.device) is None or not supports(w):
+        return None
     xq, sx = quantize_tokens_fp8_ref(torch.nn.functional.pad(x, (0, 0, 0, -x.shape[0] % 16)))
-    sa, sb = _layout[0][1](sx, s)
-    return torch._scaled_mm(xq, w.T, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    return lambda xq=xq, sx=sx: scaled_mm_block(xq, sx, w, s)
 
 
 def build(kind, n, k, m, copies, gen, tile: Tile | None):
@@ -144,9 +103,9 @@ def build(kind, n, k, m, copies, gen, tile: Tile | None):
             if down is not None:
 
                 def mlp(x=x, q13=q13, s13=s13, q2=q2, s2=s2, i=i):
-                    h = scaled_mm(x, q13, s13)
+                    h = fp8_linear_library(x, q13, s13)
                     g = torch.nn.functional.silu(h[:, :i].clamp(max=10.0))
-                    return scaled_mm((g * h[:, i:].clamp(-10, 10)).bfloat16(), q2, s2)[: x.shape[0]]
+                    return fp8_linear_library((g * h[:, i:].clamp(-10, 10)).bfloat16(), q2, s2)
 
                 stock.append(mlp)
                 name = "torch._scaled_mm x2 + torch SwiGLU / quantization ops"
@@ -182,8 +141,8 @@ def main() -> None:
         return
     gen = torch.Generator("cuda").manual_seed(0)
     props = torch.cuda.get_device_properties(0)
-    bw = bandwidth()
-    peak = max(bw.values())
+    bw = hbm_bandwidth()
+    peak = bw["floor"]
     print(f"{props.name}: read {bw['read'] / 1e12:.2f} TB/s, copy {bw['copy'] / 1e12:.2f} TB/s")
     rows = []
     start = time.perf_counter()

@@ -1,4 +1,5 @@
-"""GPU timing for benchmarks: CUDA-graph replays timed with one CUDA event pair each."""
+"""GPU timing for benchmarks: CUDA-graph replays timed with one CUDA event pair each, and the
+one HBM bandwidth figure every floor in the project divides by."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["graph_calls_us", "replay_times"]
+__all__ = ["graph_calls_us", "hbm_bandwidth", "replay_times"]
 
 
 def replay_times(graph: torch.cuda.CUDAGraph, iters: int) -> list[float]:
@@ -23,16 +24,22 @@ def replay_times(graph: torch.cuda.CUDAGraph, iters: int) -> list[float]:
     return times
 
 
+def warm_up(graph: torch.cuda.CUDAGraph, ms: float = 25.0) -> None:
+    """Replay `graph` for about `ms`: after an idle gap (a compile, building weights) the
+    GPU's clocks take milliseconds to come back, and a few timed replays of a short graph
+    would otherwise measure the ramp (seen on the H200: the first shape timed after its
+    compile 5-10 % slower than the same launches timed again)."""
+    first = replay_times(graph, 1)[0]
+    for _ in range(max(2, int(ms / max(first, 1e-3)))):  # a long graph: two more replays
+        graph.replay()
+
+
 def graph_calls_us(
     fns: Sequence[Callable[[], object]], iters: int = 15, warmup_ms: float = 25.0
 ) -> float:
     """Median microseconds per call of `fns` run back to back in one CUDA graph (each run once
-    eagerly first, so nothing compiles or allocates for the first time inside the capture).
-
-    The graph replays for `warmup_ms` before the timed replays: after an idle gap (a compile,
-    building weights) the GPU's clocks take milliseconds to come back, and a few timed
-    replays of a short graph would otherwise measure the ramp (seen on the H200: the first
-    shape timed after its compile 5-10 % slower than the same launches timed again)."""
+    eagerly first, so nothing compiles or allocates for the first time inside the capture),
+    after `warm_up`."""
     for fn in fns:
         fn()
     torch.cuda.synchronize()
@@ -40,9 +47,23 @@ def graph_calls_us(
     with torch.cuda.graph(graph):
         for fn in fns:
             fn()
-    first = replay_times(graph, 1)[0]
-    for _ in range(int(warmup_ms / max(first, 1e-3))):
-        graph.replay()
+    warm_up(graph, warmup_ms)
     ms = statistics.median(replay_times(graph, iters))
     del graph
     return ms * 1e3 / len(fns)
+
+
+def hbm_bandwidth() -> dict[str, float]:
+    """Bytes/s of HBM, measured as every floor here is judged: a 4 GiB read-only reduction
+    and a 2 GiB device copy (read + write), each a warmed-up CUDA-graph median.
+    "floor" is the better of the two: the figure every floor (bytes ÷ bandwidth) divides by,
+    so no floor is easier than what a plain stream reaches on this GPU."""
+    big = torch.ones(1 << 31, dtype=torch.bfloat16, device="cuda")
+    read = graph_calls_us([lambda b=big: torch.sum(b, dtype=torch.float32)] * 4)
+    src = big.view(torch.uint8)[: 2 << 30]
+    dst = torch.empty_like(src)
+    copy = graph_calls_us([lambda d=dst, s=src: d.copy_(s)] * 4)
+    bw = {"read": big.nbytes / (read * 1e-6), "copy": 2 * src.nbytes / (copy * 1e-6)}
+    del big, dst
+    torch.cuda.empty_cache()
+    return {**bw, "floor": max(bw.values())}

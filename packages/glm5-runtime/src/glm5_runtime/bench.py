@@ -1,9 +1,14 @@
-"""`glm5-decode bench`: per-step latency of the stock reference decode vs the specialized
-decode (each step captured in one CUDA graph, median of replays), with the HBM floor, an
-eager per-stage breakdown, JSON results and a PNG plot (`glm5-decode plot`).
+"""`glm5-decode bench`: per-step latency of the stock decode steps and the specialized decode
+(each step captured in one CUDA graph, median of warmed-up replays), the kernel launches each
+captured step holds, a per-stage split of the step that adds up to it, the HBM floor, JSON
+results and a PNG plot (`glm5-decode plot`).
+
+Two stocks: `reference`, the reference backbone's plain torch ops (the equivalence oracle),
+and `library`, the same step with its linears, experts and KDA recurrence on the best library
+kernels of this machine (`glm5_runtime.library`), the path a user without this project runs.
 
     glm5-decode bench --geometry flash-tp4-rank --tokens 1,8,64 --out bench.json
-    glm5-decode plot bench.json bench.png
+    glm5-decode plot bench.json --out bench.png
 """
 
 from __future__ import annotations
@@ -13,19 +18,24 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
+from contextlib import nullcontext
 from datetime import date
 
 import torch
 
-from glm5_kernels.timing import replay_times
+from glm5_kernels.timing import hbm_bandwidth, replay_times, warm_up
 from glm5_policy import DecodeConfig
 
-from .cli import StageTimer
 from .decode import SpecializedDecode
+from .library import LibraryStock
 from .reference import ReferenceModel, geometry
 from .reference.backbone import ReferenceBackbone
 
-__all__ = ["floor_bytes", "plot", "read_bandwidth", "run"]
+__all__ = ["StageMarks", "floor_bytes", "graph_nodes", "plot", "run"]
+
+STAGES = ("embed", "kda", "mla", "dense_mlp", "moe", "head")
+BETWEEN = "mhc, norms, reduce"  # what runs between the stages: hc pre / post, norms, the sums
 
 
 def _progress(done: int, total: int, what: str) -> None:
@@ -35,19 +45,67 @@ def _progress(done: int, total: int, what: str) -> None:
         print(file=sys.stderr)
 
 
-def _replay_ms(graph: torch.cuda.CUDAGraph, iters: int) -> float:
-    graph.replay()
-    return statistics.median(replay_times(graph, iters))
+def graph_nodes(graph: torch.cuda.CUDAGraph) -> dict[str, int] | None:
+    """Nodes of a captured graph (kept: `CUDAGraph(keep_graph=True)`) by kind: "kernel" is
+    the launches one replay makes. None where cuda-python is missing."""
+    try:
+        from cuda.bindings import runtime as rt
+    except ImportError:
+        return None
+    raw = graph.raw_cuda_graph()
+    handle = raw if isinstance(raw, rt.cudaGraph_t) else rt.cudaGraph_t(init_value=int(raw))
+    err, _, count = rt.cudaGraphGetNodes(handle, 0)
+    err, nodes, count = rt.cudaGraphGetNodes(handle, count)
+    if err != rt.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaGraphGetNodes: {err}")
+    kinds: Counter = Counter()
+    for node in nodes[:count]:
+        _, kind = rt.cudaGraphNodeGetType(node)
+        kinds[kind.name.removeprefix("cudaGraphNodeType").lower()] += 1
+    return dict(kinds)
 
 
-def read_bandwidth(gib: int = 4) -> float:
-    """Bytes/s of a read-only reduction over `gib` GiB (the HBM floor's denominator)."""
-    big = torch.ones(gib << 29, dtype=torch.bfloat16, device="cuda")
-    torch.sum(big, dtype=torch.float32)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch.sum(big, dtype=torch.float32)
-    return big.nbytes / (_replay_ms(graph, 10) * 1e-3)
+class StageMarks:
+    """Timing events captured into the step at each stage's start and end (CUDA event record
+    nodes): after a replay, the interval from one mark to the next belongs to the stage that
+    ran between them (`BETWEEN` outside any stage), so the split adds up to the replay from
+    the first mark to the last — the graph's own time, not an eager re-run's."""
+
+    def __init__(self, model: ReferenceModel):
+        self.model = model
+        self.marks: list[tuple[torch.cuda.Event, str]] = []
+
+    def mark(self, label: str) -> None:
+        event = torch.cuda.Event(enable_timing=True, external=True)
+        event.record()
+        self.marks.append((event, label))
+
+    def _wrap(self, name, fn):
+        def marked(*args, **kwargs):
+            self.mark(name)
+            out = fn(*args, **kwargs)
+            self.mark(BETWEEN)
+            return out
+
+        return marked
+
+    def __enter__(self) -> StageMarks:
+        for rank in self.model.ranks:
+            for name in STAGES:
+                setattr(rank, name, self._wrap(name, getattr(rank, name)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for rank in self.model.ranks:
+            for name in STAGES:
+                rank.__dict__.pop(name, None)
+
+    def split(self) -> dict[str, float]:
+        """Milliseconds per stage of the last replay (the marks must have completed)."""
+        ms: Counter = Counter()
+        for (a, label), (b, _) in zip(self.marks, self.marks[1:], strict=False):
+            ms[label] += a.elapsed_time(b)
+        return dict(ms)
 
 
 def floor_bytes(model: ReferenceModel, batch: int, context: int) -> float:
@@ -81,38 +139,64 @@ def _step(model: ReferenceModel, tokens: int, q: int, context: int):
 
 
 def _measure(model, decode, side: str, ids, step, iters: int) -> dict:
-    """One side's step: graph-replay ms and an eager per-stage breakdown. (Replays repeat
+    """One side's step: its graph's median replay ms and nodes, and the per-stage split of a
+    second capture with `StageMarks` (its median per stage over the replays). Replays repeat
     the step on caches it updated in place, so outputs are not compared here: equivalence is
-    tests/glm5_runtime/test_decode*.py's job.)"""
+    tests/glm5_runtime/test_decode*.py's job."""
 
     def forward():
-        if side == "stock":
+        if side != "specialized":
             return model.logits(model.backbone(ids, step))
         decision = decode.plan(step, capturing=True)
         if decision.step is None:
             raise RuntimeError(f"{step.positions.numel()} tokens not planned: {decision.reason}")
         return decode.compute_logits(decode.run(decision.step, ids, step))
 
-    with torch.no_grad():
-        forward()  # warm-up outside the capture
-        graph = torch.cuda.CUDAGraph()
+    library = LibraryStock(model) if side == "library" else nullcontext()
+    with torch.no_grad(), library:
+        forward()  # warm-up outside the capture: compiles, first allocations
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
         with torch.cuda.graph(graph):
             forward()
-        ms = _replay_ms(graph, iters)
+        graph.instantiate()
+        nodes = graph_nodes(graph)
+        warm_up(graph)
+        ms = statistics.median(replay_times(graph, iters))
         del graph
-        timer = StageTimer(model)  # eager, synchronized around each stage
-        try:
+        marks = StageMarks(model)
+        graph = torch.cuda.CUDAGraph()
+        with marks, torch.cuda.graph(graph):
+            marks.mark(BETWEEN)
             forward()
-        finally:
-            timer.restore()
-    stages = {k: 1e3 * v for k, v in timer.totals.items()}
-    return {"ms": ms, "stages_ms": stages}
+            marks.mark("end")
+        warm_up(graph)
+        splits = []
+        for _ in range(iters):
+            graph.replay()
+            torch.cuda.synchronize()
+            splits.append(marks.split())
+        del graph
+    stages = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
+    marked = statistics.median(sum(s.values()) for s in splits)
+    return {
+        "ms": ms,
+        "nodes": nodes,
+        "stages_ms": stages,
+        "marked_ms": marked,
+        "kernels": getattr(library, "kernels", None),
+    }
+
+
+def _kernels(row: dict, side: str) -> str:
+    nodes = row["nodes"][side]
+    return "? kernels" if nodes is None else f"{nodes.get('kernel', 0)} kernels"
 
 
 def run(args) -> dict:
     g = geometry(args.geometry)
     q = args.q
     tokens = [int(t) for t in args.tokens.split(",")]
+    stocks = {"both": ["reference", "library"]}.get(getattr(args, "stock", "both"), [args.stock])
     model = ReferenceModel.random(
         g, seed=0, device="cuda", max_requests=max(tokens) // q, max_context=args.context + 16,
         q=q,
@@ -127,33 +211,36 @@ def run(args) -> dict:
     decode = SpecializedDecode(ReferenceBackbone(model), config)
     decode.prepare()
     build_s = time.perf_counter() - start
-    bandwidth = read_bandwidth()
-    rows, total = [], 2 * len(tokens)
+    bandwidth = hbm_bandwidth()
+    sides = [*stocks, "specialized"]
+    rows, total = [], len(sides) * len(tokens)
+    kernels = None
     for i, b in enumerate(tokens):
         requests, step = _step(model, b, q, args.context)
         ids = torch.randint(0, g.vocab_size, (len(requests), q), device="cuda")
         results = {}
-        for j, side in enumerate(("stock", "specialized")):
-            _progress(2 * i + j, total, f"{b} tokens: {side}")
+        for j, side in enumerate(sides):
+            _progress(len(sides) * i + j, total, f"{b} tokens: {side}")
             results[side] = _measure(model, decode, side, ids, step, args.iters)
-        floor_ms = floor_bytes(model, b, args.context) / bandwidth * 1e3
-        row = {
-            "tokens": b,
-            "q": q,
-            "stock_ms": results["stock"]["ms"],
-            "specialized_ms": results["specialized"]["ms"],
-            "floor_ms": floor_ms,
-            "speedup": results["stock"]["ms"] / results["specialized"]["ms"],
-            "specialized_to_floor": results["specialized"]["ms"] / floor_ms,
-            "stock_to_floor": results["stock"]["ms"] / floor_ms,
-            "stages_ms": {k: v["stages_ms"] for k, v in results.items()},
-        }
+            kernels = results[side].pop("kernels") or kernels
+        floor_ms = floor_bytes(model, b, args.context) / bandwidth["floor"] * 1e3
+        spec = results["specialized"]["ms"]
+        row = {"tokens": b, "q": q, "floor_ms": floor_ms}
+        for side in sides:
+            row[f"{side}_ms"] = results[side]["ms"]
+            row[f"{side}_to_floor"] = results[side]["ms"] / floor_ms
+            if side != "specialized":
+                row[f"speedup_vs_{side}"] = results[side]["ms"] / spec
+        for key in ("nodes", "stages_ms", "marked_ms"):
+            row[key] = {side: results[side][key] for side in sides}
         rows.append(row)
-        _progress(2 * i + 2, total, f"{b} tokens done")
+        _progress(len(sides) * (i + 1), total, f"{b} tokens done")
         print(
-            f"{b:3d} tokens (q={q}): stock {row['stock_ms']:8.2f} ms, specialized "
-            f"{row['specialized_ms']:8.2f} ms ({row['speedup']:.2f}x), floor {floor_ms:.2f} ms "
-            f"({row['specialized_to_floor']:.1f}x)"
+            f"{b:3d} tokens (q={q}): "
+            + ", ".join(
+                f"{side} {row[f'{side}_ms']:8.2f} ms ({_kernels(row, side)})" for side in sides
+            )
+            + f"; floor {floor_ms:.2f} ms (specialized {row['specialized_to_floor']:.1f}x)"
         )
         torch.cuda.empty_cache()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
@@ -164,17 +251,29 @@ def run(args) -> dict:
         "torch": torch.__version__,
         "date": date.today().isoformat(),
         "commit": args.commit or commit.stdout.strip() or "unknown",
+        "command": "glm5-decode bench " + " ".join(sys.argv[2:]),
         "context": args.context,
         "policy": decode.policy.to_json(),
         "stages_built": sorted({type(op).__name__ for op, _ in decode.ops}),
+        "library_kernels": kernels,
         "build_seconds": build_s,
-        "read_bandwidth_tbps": bandwidth / 1e12,
+        "bandwidth_tbps": {k: v / 1e12 for k, v in bandwidth.items()},
+        "split": "CUDA event record nodes captured at each stage's start and end in a second "
+        "graph of the same step; median ms per stage over its replays (marked_ms: their sum)",
         "rows": rows,
     }
 
 
+LINES = (
+    ("reference_ms", "reference stock"),
+    ("library_ms", "library stock"),
+    ("specialized_ms", "specialized"),
+    ("floor_ms", "HBM floor"),
+)
+
+
 def plot(result_paths: list[str], out: str) -> None:
-    """Stock, specialized and floor ms per token count, one panel per results file."""
+    """Each stock, specialized and floor ms per token count, one panel per results file."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -187,9 +286,9 @@ def plot(result_paths: list[str], out: str) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
     for ax, r in zip(axes[0], results, strict=True):
         x = [row["tokens"] for row in r["rows"]]
-        for key, label in (("stock_ms", "stock"), ("specialized_ms", "specialized"),
-                           ("floor_ms", "HBM floor")):  # fmt: skip
-            ax.plot(x, [row[key] for row in r["rows"]], marker="o", label=label)
+        for key, label in LINES:
+            if key in r["rows"][0]:
+                ax.plot(x, [row[key] for row in r["rows"]], marker="o", label=label)
         ax.set(xscale="log", yscale="log", xlabel="tokens per step", ylabel="ms per step",
                title=f"{r['geometry']} ({r['gpu']}, ctx {r['context']})")  # fmt: skip
         ax.set_xticks(x, [str(v) for v in x])

@@ -151,7 +151,7 @@ class RankStages:
         # vLLM keeps the recurrent state as [slots, heads, V, K]; the recurrence runs [K, V].
         state = rec[step.read_slots].transpose(-1, -2).reshape(R * hk, kd, kd)
         keep = step.keep_states and T > 1
-        o, final, states = kda_recurrence_ref(
+        o, final, states = self.recurrence(
             heads(q), heads(k), heads(v), heads(gate), heads(beta), state, all_states=keep
         )
         # Recurrent states after each token: every kept one for a verify, else the last.
@@ -170,6 +170,10 @@ class RankStages:
             o, gate_o.reshape(R, T, hk, kd), self.w[f"{a}.o_norm.weight"], g.rms_norm_eps, x.dtype
         )
         return self.linear(o.reshape(R, T, hk * kd), f"{a}.o_proj.weight")
+
+    def recurrence(self, q, k, v, gate, beta, state, *, all_states: bool):
+        """KDA's delta rule over a sequence of stacked heads: `kda_recurrence_ref`'s contract."""
+        return kda_recurrence_ref(q, k, v, gate, beta, state, all_states=all_states)
 
     # MLA (NoPE) with the DSA indexer.
     def mla(self, layer: int, x: Tensor, step: Step, topk: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -316,31 +320,37 @@ class RankStages:
         g, m = self.g, f"layers.{layer}.mlp"
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        logits = self._routed(f"{m}.gate.weight", flat)
-        if logits is None:
-            logits = F.linear(flat.float(), self.w[f"{m}.gate.weight"].float())
         weights, ids = route_ref(
-            logits,
+            self.router(f"{m}.gate.weight", flat),
             self.w[f"{m}.gate.e_score_correction_bias"],
             g.num_experts_per_tok,
             g.routed_scaling_factor,
         )
-        experts = experts_ref
-        if flat.is_cuda:  # capturable: every expert once, or each token's k experts
-            dense = g.n_routed_experts <= flat.shape[0] * g.num_experts_per_tok
-            experts = _experts_dense if dense else _experts_by_slot
-        routed = experts(
-            flat,
-            self.w[f"{m}.experts.gate_up_proj"],
-            self.w[f"{m}.experts.down_proj"],
-            ids,
-            weights,
-            g.swiglu_limit,
-            self.w.get(f"{m}.experts.gate_up_proj_scale_inv"),
-            self.w.get(f"{m}.experts.down_proj_scale_inv"),
-        )
+        routed = self.experts(f"{m}.experts", flat, ids, weights)
         shared = self._swiglu_mlp(f"{m}.shared_experts", flat)
         return (routed.to(x.dtype) + shared).reshape(shape)
+
+    def router(self, name: str, x: Tensor) -> Tensor:
+        """x [N, D] BF16 -> FP32 router logits [N, E]."""
+        logits = self._routed(name, x)
+        return F.linear(x.float(), self.w[name].float()) if logits is None else logits
+
+    def experts(self, prefix: str, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """x [N, D] BF16, ids / weights [N, k] -> the routed experts' weighted sum [N, D] FP32."""
+        experts = experts_ref
+        if x.is_cuda:  # capturable: every expert once, or each token's k experts
+            dense = self.g.n_routed_experts <= x.shape[0] * self.g.num_experts_per_tok
+            experts = _experts_dense if dense else _experts_by_slot
+        return experts(
+            x,
+            self.w[f"{prefix}.gate_up_proj"],
+            self.w[f"{prefix}.down_proj"],
+            ids,
+            weights,
+            self.g.swiglu_limit,
+            self.w.get(f"{prefix}.gate_up_proj_scale_inv"),
+            self.w.get(f"{prefix}.down_proj_scale_inv"),
+        )
 
 
 def _experts_by_slot(x, w13, w2, ids, weights, limit, w13_scale, w2_scale) -> Tensor:
