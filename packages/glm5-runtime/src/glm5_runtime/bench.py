@@ -32,7 +32,7 @@ from .library import LibraryStock
 from .reference import ReferenceModel, geometry
 from .reference.backbone import ReferenceBackbone
 
-__all__ = ["StageMarks", "floor_bytes", "graph_nodes", "plot", "run"]
+__all__ = ["StageMarks", "floor_bytes", "graph_nodes", "plot", "run", "table"]
 
 STAGES = ("embed", "kda", "mla", "dense_mlp", "moe", "head")
 BETWEEN = "mhc, norms, reduce"  # what runs between the stages: hc pre / post, norms, the sums
@@ -296,3 +296,42 @@ def plot(result_paths: list[str], out: str) -> None:
         ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=120)
+
+
+def table(result_paths: list[str]) -> str:
+    """Results JSON files as the runtime README's markdown tables: per step the time of each
+    side, kernels per step, the ratios; then the graph-captured stage split."""
+    results = []
+    for path in result_paths:
+        with open(path) as f:
+            results.append(json.load(f))
+    out = [
+        "| geometry | tokens | reference ms | library ms | specialized ms | floor ms "
+        "| vs reference | vs library | specialized × floor | kernels (ref / lib / spec) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in results:
+        for row in r["rows"]:
+            kernels = " / ".join(
+                str((row["nodes"].get(side) or {}).get("kernel", "?"))
+                for side in ("reference", "library", "specialized")
+            )
+            out.append(
+                f"| {r['geometry']} | {row['tokens']} | {row.get('reference_ms', 0):.1f} "
+                f"| {row.get('library_ms', 0):.1f} | {row['specialized_ms']:.1f} "
+                f"| {row['floor_ms']:.2f} | {row.get('speedup_vs_reference', 0):.2f} "
+                f"| {row.get('speedup_vs_library', 0):.2f} | {row['specialized_to_floor']:.0f} "
+                f"| {kernels} |"
+            )
+    stages = [*STAGES, BETWEEN]
+    out += ["", "| geometry | tokens | side | " + " | ".join(stages) + " | sum | graph |"]
+    out.append("| --- | ---: | --- |" + " ---: |" * (len(stages) + 2))
+    for r in results:
+        for row in r["rows"]:
+            for side, split in row["stages_ms"].items():
+                cells = " | ".join(f"{split.get(s, 0):.2f}" for s in stages)
+                out.append(
+                    f"| {r['geometry']} | {row['tokens']} | {side} | {cells} "
+                    f"| {row['marked_ms'][side]:.1f} | {row[f'{side}_ms']:.1f} |"
+                )
+    return "\n".join(out)
