@@ -1,63 +1,174 @@
-"""`glm5-decode demo`: the reference GLM-5.3-Flash backbone serving a few prompts with
-greedy MTP drafting (prefill, then draft / verify / accept steps), with timing per step and
-per stage.
+"""`glm5-decode`: the reference GLM-5.3-Flash backbone serving random prompts with greedy MTP
+drafting (`demo`: prefill, then draft / verify / accept steps, timed per step and per stage),
+stock vs specialized decode steps on the GPU (`bench`), their plot (`plot`) and tables
+(`table`).
 
-    glm5-decode demo                                  # tiny geometry, CPU
+    glm5-decode demo                                  # tiny geometry, CPU, a few seconds
     glm5-decode demo --device cuda --geometry flash-tp4-rank --steps 8
+    glm5-decode bench --geometry flash-tp4-rank --tokens 1,8,64 --out bench.json
+
+Every bad input is one line on stderr and exit status 2, before any work starts: argparse
+checks each value and the values together; the commands then check what needs torch (the
+device, the memory the model takes). Torch is imported inside the commands only, so `--help`
+answers at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import os
 import time
-from collections import defaultdict
+import warnings
 
-import torch
+from glm5_policy import FAMILIES, MAX_Q, MAX_TOKENS, PolicyError, parse_table
 
-from .reference import ReferenceModel, geometry
-
-STAGES = ("embed", "kda", "mla", "dense_mlp", "moe", "head")
-
-
-class StageTimer:
-    """Wall time per stage (synchronizing CUDA around each call, so stages don't overlap)."""
-
-    def __init__(self, model: ReferenceModel):
-        self.totals: dict[str, float] = defaultdict(float)
-        self.cuda = model.device.type == "cuda"
-        self.ranks = model.ranks
-        for rank in model.ranks:
-            for name in STAGES:
-                setattr(rank, name, self._wrap(name, getattr(rank, name)))
-
-    def restore(self) -> None:
-        """Unwrap the stages (a CUDA-graph capture must not synchronize)."""
-        for rank in self.ranks:
-            for name in STAGES:
-                delattr(rank, name)
-
-    def _wrap(self, name, fn):
-        def timed(*args, **kwargs):
-            if self.cuda:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            out = fn(*args, **kwargs)
-            if self.cuda:
-                torch.cuda.synchronize()
-            self.totals[name] += time.perf_counter() - start
-            return out
-
-        return timed
+# The names reference.config.geometry() takes (importing it here would import torch).
+GEOMETRIES = ("tiny", "flash", *(f"flash-tp{tp}-rank" for tp in (1, 2, 4, 8)))
+STOCK = ("reference", "library", "both")
+BLOCK_SIZE = 64  # ReferenceModel's default paged-cache block
+_GEOMETRY = dict(
+    choices=GEOMETRIES,
+    metavar="NAME",
+    help="tiny (every feature at CPU-test size), flash (GLM-5.3-Flash), or "
+    "flash-tp{1,2,4,8}-rank (one rank's shard of a TP deployment)",
+)
 
 
-def greedy(model: ReferenceModel, hidden: torch.Tensor) -> torch.Tensor:
-    return model.logits(hidden).argmax(-1)
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Help with each option's default, where it has one."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class BadInput(Exception):
+    """A bad command line found inside a command (the device, the memory): main() reports it
+    as argparse reports its own errors."""
+
+
+# argparse types: each value checked as it is parsed, one line per problem.
+def _integer(low: int, high: int | None = None, why: str = ""):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            if high is not None:
+                expects = f"an integer in {low}..{high}"
+            else:
+                expects = "a positive integer" if low == 1 else f"an integer >= {low}"
+            raise argparse.ArgumentTypeError(f"expects {expects}{why}, got {text!r}")
+        return value
+
+    return parse
+
+
+_count = _integer(1)
+
+
+def _token_counts(text: str) -> str:
+    """Comma-separated token counts, each a planned step size; kept as text (bench.run
+    splits it)."""
+    try:
+        counts = [_integer(1, MAX_TOKENS)(part) for part in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expects comma-separated token counts in 1..{MAX_TOKENS} (the largest planned "
+            f"step), e.g. 1,8,64, got {text!r}"
+        ) from None
+    return ",".join(map(str, counts))
+
+
+def _policy(text: str) -> str:
+    try:
+        parse_table(text)
+    except PolicyError as error:
+        raise argparse.ArgumentTypeError("; ".join(error.problems)) from None
+    return text
+
+
+def _new_file(path: str) -> str:
+    """A file to write: its folder must exist, so a long run doesn't fail at the end."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"no folder {folder!r} to write {path!r} in")
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path!r} is a folder, not a file")
+    return path
+
+
+def _results(path: str) -> str:
+    """A `glm5-decode bench --out` file."""
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot read {path!r}: {error.strerror}") from None
+    except ValueError:  # not JSON, or not even text
+        raise argparse.ArgumentTypeError(f"{path!r} is not a JSON file") from None
+    if not isinstance(result, dict) or "rows" not in result:
+        raise argparse.ArgumentTypeError(f"{path!r} is not a glm5-decode bench results file")
+    return path
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _import_torch():
+    # A torch wheel without NumPy beside it warns "Failed to initialize NumPy" on import;
+    # nothing here converts to NumPy, so the warning would only puzzle.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch
+
+    return torch
+
+
+def _no_cuda(torch) -> str | None:
+    """Why CUDA is unavailable, None where it is."""
+    if torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU-only build"
+    return f"torch {torch.__version__} sees no CUDA device"
+
+
+def _check_fits(g, device, name: str, **kw) -> None:
+    from .reference.memory import fit_problem
+
+    problem = fit_problem(g, device, **kw)
+    if problem:
+        raise BadInput(f"--geometry {name}: {problem}")
+
+
+def _shown(tokens: list[int], limit: int = 32) -> str:
+    return str(tokens) if len(tokens) <= limit else f"{str(tokens[:limit])[:-1]}, ...]"
 
 
 def demo(args) -> None:
-    g = geometry(args.geometry)
+    torch = _import_torch()
+    from .reference import ReferenceModel, geometry
+    from .stage_timer import StageTimer
+
+    if args.device == "cuda" and (why := _no_cuda(torch)):
+        raise BadInput(f"--device cuda: {why}")
     device = torch.device(args.device)
+    g = geometry(args.geometry)
     q = 1 + args.spec
+    _check_fits(
+        g, device, args.geometry, max_requests=args.prompts, max_context=args.max_context, q=q,
+        block_size=BLOCK_SIZE,
+    )  # fmt: skip
+    print(
+        f"building {args.geometry} (tp {g.tp_size}, ranks {list(g.ranks)}) on {device}, "
+        "random weights ...",
+        flush=True,
+    )
     start = time.perf_counter()
     model = ReferenceModel.random(
         g,
@@ -66,119 +177,268 @@ def demo(args) -> None:
         max_requests=args.prompts,
         max_context=args.max_context,
         q=q,
+        block_size=BLOCK_SIZE,
     )
-    print(
-        f"built {args.geometry} (tp {g.tp_size}, ranks {list(g.ranks)}) on {device} "
-        f"in {time.perf_counter() - start:.1f}s"
-    )
+    print(f"built in {time.perf_counter() - start:.1f}s", flush=True)
+    if args.spec:
+        print(
+            f"{args.steps} verify steps per prompt, q = {q} tokens each: the last token "
+            f"and {args.spec} MTP drafts, kept up to the first draft the target disagrees with",
+            flush=True,
+        )
+    else:
+        print(f"{args.steps} decode steps per prompt, q = 1 (no MTP drafts)", flush=True)
     timer = StageTimer(model)
     gen = torch.Generator().manual_seed(args.seed)
-    accepted_total, steps_total, step_times = 0, 0, []
+    drafted = accepted = steps = 0
+    step_times = []
     served = time.perf_counter()
     with torch.no_grad():
         for p in range(args.prompts):
-            prompt = torch.randint(0, g.vocab_size, (1, args.prompt_len), generator=gen).to(device)
+            prompt = torch.randint(0, g.vocab_size, (1, args.prompt_len), generator=gen)
+            print(
+                f"prompt {p} ({args.prompt_len} tokens): {_shown(prompt[0].tolist())}",
+                flush=True,
+            )
+            prompt = prompt.to(device)
             r = model.add()
             hidden = model.forward([r], prompt)
             nxt = greedy(model, hidden[:, -1:])
+            generated = [nxt.item()]
             # The MTP layer pairs each target hidden state h_i with token i + 1.
-            drafts = model.draft(
-                [r],
-                torch.cat([prompt[:, 1:], nxt], 1),
-                hidden,
-                0,
-                args.spec,
-                share_index=args.share_index,
-            )
-            produced = [nxt.item()]
-            for _ in range(args.steps):
+            drafts = _draft(model, r, torch.cat([prompt[:, 1:], nxt], 1), hidden, 0, args)
+            for s in range(args.steps):
                 t0 = time.perf_counter()
                 base = model.lengths[r]
                 block = torch.cat([nxt, drafts], dim=1)  # [1, q]
                 hidden = model.forward([r], block, verify=True)
-                predicted = greedy(model, hidden)  # [1, q]
+                predicted = greedy(model, hidden)  # [1, q]: the target's token after each
                 n = 1
                 while n < q and block[0, n] == predicted[0, n - 1]:
                     n += 1
                 model.accept(r, n)
                 nxt = predicted[:, n - 1 : n]
-                produced += [*block[0, 1:n].tolist(), nxt.item()]
-                accepted = torch.cat([block[:, 1:n], nxt], 1)
-                drafts = model.draft(
-                    [r], accepted, hidden[:, :n], base, args.spec, share_index=args.share_index
-                )
+                new = [*block[0, 1:n].tolist(), nxt.item()]
+                if s + 1 < args.steps:  # the last step's drafts would never be verified
+                    kept = torch.cat([block[:, 1:n], nxt], 1)
+                    drafts = _draft(model, r, kept, hidden[:, :n], base, args)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 step_times.append(time.perf_counter() - t0)
-                accepted_total += n
-                steps_total += 1
-            more = " ..." if len(produced) > 12 else ""
-            print(f"prompt {p}: {len(produced)} tokens: {produced[:12]}{more}")
+                generated += new
+                steps += 1
+                drafted, accepted = drafted + args.spec, accepted + n - 1
+                shown = f"drafts {block[0, 1:].tolist()}, {n - 1} accepted, " if q > 1 else ""
+                print(
+                    f"  step {s + 1}/{args.steps}: {shown}emits {new} "
+                    f"({1e3 * step_times[-1]:.0f} ms)",
+                    flush=True,
+                )
+            print(f"generated ({len(generated)} tokens): {_shown(generated)}", flush=True)
             model.release(r)
     wall = time.perf_counter() - served
     total = sum(step_times)
     print(
-        f"\n{steps_total} verify steps (q={q}): {1e3 * total / steps_total:.1f} ms/step, "
-        f"{accepted_total / steps_total:.2f} tokens/step accepted, "
-        f"{accepted_total / total:.1f} tokens/s"
+        f"\n{steps} steps (q={q}): {1e3 * total / steps:.1f} ms/step, "
+        f"{(steps + accepted) / steps:.2f} tokens/step, {(steps + accepted) / total:.1f} tokens/s"
     )
-    print("per stage (all steps, prefill included):")
+    if args.spec:
+        print(
+            f"{accepted} of {drafted} drafts accepted: with random weights the MTP layer's "
+            "drafts almost never match the target's greedy tokens (a trained MTP layer's "
+            "mostly do)"
+        )
+    print("per stage (all steps, prefill and drafts included):")
     rest = wall - sum(timer.totals.values())
     rows = [*timer.totals.items(), ("mhc, norms, sampling, host", rest)]
     for name, seconds in sorted(rows, key=lambda kv: -kv[1]):
         print(f"  {name:28s} {1e3 * seconds:9.1f} ms")
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="glm5-decode", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="serve a few random prompts on the reference backbone")
-    d.add_argument("--geometry", default="tiny", help="tiny | flash | flash-tp{1,2,4,8}-rank")
-    d.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    d.add_argument("--prompts", type=int, default=3)
-    d.add_argument("--prompt-len", type=int, default=24)
-    d.add_argument("--steps", type=int, default=8, help="verify steps per prompt")
-    d.add_argument("--spec", type=int, default=3, help="MTP drafted tokens per step (q - 1)")
+def greedy(model, hidden):
+    """The target's greedy tokens [R, T] after hidden states [R, T, D]."""
+    return model.logits(hidden).argmax(-1)
+
+
+def _draft(model, r: int, tokens, hidden, start: int, args):
+    """Request r's MTP drafts [1, spec] (none without speculation)."""
+    if not args.spec:
+        return tokens.new_empty(1, 0)
+    return model.draft([r], tokens, hidden, start, args.spec, share_index=args.share_index)
+
+
+def bench(args) -> None:
+    torch = _import_torch()
+    from .reference import geometry
+
+    if why := _no_cuda(torch):
+        raise BadInput(f"needs a CUDA GPU: {why}")
+    q, tokens = args.q, [int(t) for t in args.tokens.split(",")]
+    # bench.run's model: one request per q tokens of the largest step, context + 16 tokens.
+    _check_fits(
+        geometry(args.geometry), "cuda", args.geometry, max_requests=max(tokens) // q,
+        max_context=args.context + 16, q=q,
+    )  # fmt: skip
+    from .bench import plot, run
+
+    result = run(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        if args.plot:
+            plot([args.out], args.plot)
+
+
+def plot_files(args) -> None:
+    from .bench import plot
+
+    plot(args.results, args.out)
+
+
+def table_files(args) -> None:
+    from .bench import table
+
+    print(table(args.results))
+
+
+def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The `glm5-decode` parser and each command's own (which prints that command's usage
+    above its errors)."""
+    formatter = _Defaults
+    top = argparse.ArgumentParser(
+        prog="glm5-decode",
+        description="The reference GLM-5.3-Flash backbone: a demo of MTP decoding, and the "
+        "stock vs specialized decode benchmark.",
+        formatter_class=formatter,
+    )
+    sub = top.add_subparsers(dest="command", required=True, metavar="{demo,bench,plot,table}")
+    d = sub.add_parser(
+        "demo",
+        help="serve a few random prompts on the reference backbone (random weights)",
+        description="Serve random prompts on the reference backbone with random weights: "
+        "prefill, then per step the MTP layer drafts, the target verifies q = 1 + spec tokens "
+        "and keeps them up to the first disagreement; timed per step and per stage.",
+        formatter_class=formatter,
+    )
+    d.add_argument("--geometry", default="tiny", **_GEOMETRY)
+    d.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="torch device")
+    d.add_argument(
+        "--prompts", type=_count, default=3, help="prompts served (the model holds caches for all)"
+    )
+    d.add_argument("--prompt-len", type=_count, default=24, help="tokens per prompt")
+    d.add_argument("--steps", type=_count, default=8, help="verify steps per prompt")
+    d.add_argument(
+        "--spec",
+        type=_integer(0, MAX_Q - 1, f" (q = 1 + spec <= {MAX_Q} tokens per verify)"),
+        default=3,
+        help=f"MTP drafted tokens per step, q - 1 (0..{MAX_Q - 1}; 0: plain decode)",
+    )
     d.add_argument(
         "--share-index", action="store_true", help="draft steps reuse step 0's top-k (vLLM option)"
     )
-    d.add_argument("--max-context", type=int, default=512)
-    d.add_argument("--seed", type=int, default=0)
-    b = sub.add_parser("bench", help="stock vs specialized decode steps on the GPU")
-    b.add_argument("--geometry", default="flash-tp4-rank")
-    b.add_argument("--tokens", default="1,8,64", help="token counts per step")
-    b.add_argument("--q", type=int, default=1, help="tokens per request (1: decode)")
-    b.add_argument("--context", type=int, default=4096)
-    b.add_argument("--iters", type=int, default=10)
-    b.add_argument("--policy", default=None, help="policy table JSON over the family default")
-    b.add_argument("--family", default="sm90", choices=["sm90", "sm100"])
-    b.add_argument("--out", help="results JSON")
-    b.add_argument("--plot", help="results PNG (needs matplotlib)")
+    d.add_argument(
+        "--max-context",
+        type=_count,
+        default=512,
+        help="longest sequence the caches hold (>= prompt-len + steps * q)",
+    )
+    d.add_argument("--seed", type=_integer(0, 2**32 - 1), default=0, help="weights and prompts")
+    d.set_defaults(run=demo)
+
+    b = sub.add_parser(
+        "bench",
+        help="stock vs specialized decode steps on the GPU",
+        description="Per-step latency of the stock decode vs the specialized decode (each "
+        "step one CUDA graph), with the HBM floor and a per-stage breakdown. Needs a GPU.",
+        formatter_class=formatter,
+    )
+    b.add_argument("--geometry", default="flash-tp4-rank", **_GEOMETRY)
+    b.add_argument(
+        "--tokens",
+        type=_token_counts,
+        default="1,8,64",
+        help="token counts per step, comma-separated, each a multiple of --q",
+    )
+    b.add_argument(
+        "--q",
+        type=_integer(1, MAX_Q),
+        default=1,
+        help=f"tokens per request (1: decode, 2..{MAX_Q}: MTP verify)",
+    )
+    b.add_argument("--context", type=_count, default=4096, help="tokens already in each request")
+    b.add_argument("--iters", type=_count, default=10, help="CUDA-graph replays timed per step")
+    b.add_argument(
+        "--stock",
+        choices=STOCK,
+        default="both",
+        help="the stock step(s) to time: the reference backbone's plain torch ops, the best "
+        "library kernels on this machine (cuBLAS, torch block-FP8 _scaled_mm, fla's KDA where "
+        "it imports), or both",
+    )
+    b.add_argument(
+        "--policy", type=_policy, default=None, help="policy table JSON over the family default"
+    )
+    b.add_argument("--family", default="sm90", choices=FAMILIES, help="GPU family's defaults")
+    b.add_argument("--out", type=_new_file, help="results JSON")
+    b.add_argument("--plot", type=_new_file, help="results PNG (needs --out and matplotlib)")
     b.add_argument("--commit", help="the code's commit, where the tree's git lacks it")
-    p = sub.add_parser("plot", help="plot bench results JSON files into one PNG")
-    p.add_argument("results", nargs="+")
-    p.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
+    b.set_defaults(run=bench)
+
+    p = sub.add_parser(
+        "plot",
+        help="plot bench results JSON files into one PNG",
+        description="Stock, specialized and floor ms per token count, one panel per results "
+        "file. Needs matplotlib.",
+        formatter_class=formatter,
+    )
+    p.add_argument("results", nargs="+", type=_results, help="`glm5-decode bench --out` files")
+    p.add_argument("--out", required=True, type=_new_file, help="the PNG to write")
+    p.set_defaults(run=plot_files)
+
+    t = sub.add_parser(
+        "table",
+        help="print bench results JSON files as markdown tables",
+        description="Each step's time per side, kernels per step and ratios, then the stage "
+        "split: the runtime README's tables, straight from the results files.",
+        formatter_class=formatter,
+    )
+    t.add_argument("results", nargs="+", type=_results, help="`glm5-decode bench --out` files")
+    t.set_defaults(run=table_files)
+    return top, sub.choices
+
+
+def _problem(args) -> str | None:
+    """What the values say together (each value alone is the argparse types' check)."""
     if args.command == "demo":
-        demo(args)
+        need = args.prompt_len + args.steps * (1 + args.spec)
+        if args.max_context < need:
+            return (
+                f"--max-context {args.max_context}: a {args.prompt_len}-token prompt and "
+                f"{args.steps} steps of q={1 + args.spec} tokens need {need}"
+            )
     elif args.command == "bench":
-        import json
+        uneven = [t for t in map(int, args.tokens.split(",")) if t % args.q]
+        if uneven:
+            return f"--tokens {args.tokens}: {uneven} not multiples of --q {args.q}"
+        if args.plot and not args.out:
+            return "--plot: needs --out (the plot is drawn from the results file)"
+    plots = args.command == "plot" or (args.command == "bench" and args.plot)
+    if plots and not _installed("matplotlib"):
+        return "plotting needs matplotlib: pip install matplotlib"
+    return None
 
-        from .bench import plot, run
 
-        result = run(args)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
-        if args.plot and args.out:
-            try:
-                plot([args.out], args.plot)
-            except ImportError:
-                print("no matplotlib here: plot later with `glm5-decode plot`")
-    elif args.command == "plot":
-        from .bench import plot
-
-        plot(args.results, args.out)
+def main(argv: list[str] | None = None) -> None:
+    top, commands = parsers()
+    args = top.parse_args(argv)
+    command = commands[args.command]
+    problem = _problem(args)
+    if problem:
+        command.error(problem)
+    try:
+        args.run(args)
+    except BadInput as error:
+        command.error(str(error))
 
 
 if __name__ == "__main__":

@@ -200,15 +200,57 @@ class Geometry:
 
     @classmethod
     def from_hf(cls, config: Any, **extra: Any) -> Geometry:
-        """From a transformers `Glm5NextTextConfig` (or any object with its fields)."""
-        text = getattr(config, "text_config", None) or config
-        values = {name: getattr(text, name) for name in _HF_FIELDS if hasattr(text, name)}
+        """From a transformers `Glm5NextTextConfig` / `Glm5NextConfig`, or any object or
+        mapping with their fields (a config.json read without transformers). What the
+        transformers config derives in `__post_init__` is derived the same way here, so a
+        plain config gives the same geometry: indexer_types from index_topk_pattern ("FSSF..."
+        or a list) or else index_topk_freq / index_skip_topk_offset, linear_* from
+        linear_attn_config."""
+        from collections.abc import Mapping
+
+        missing = object()
+
+        def read(obj: Any, name: str, default: Any = missing) -> Any:
+            if isinstance(obj, Mapping):
+                return obj.get(name, default)
+            return getattr(obj, name, default)
+
+        text = read(config, "text_config", None) or config
+        values = {name: read(text, name) for name in _HF_FIELDS}
+        values = {name: value for name, value in values.items() if value is not missing}
+        if not values.get("indexer_types"):
+            n = values.get("num_hidden_layers", cls.num_hidden_layers)
+            pattern = read(text, "index_topk_pattern", None)
+            if isinstance(pattern, str):
+                # Unknown letters pass through for __post_init__ to name.
+                values["indexer_types"] = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern]
+            elif pattern is not None:
+                values["indexer_types"] = pattern
+            else:  # a full layer every `freq`, from layer `offset - 1` on (freq 1: all full)
+                freq = max(read(text, "index_topk_freq", None) or 1, 1)
+                offset = read(text, "index_skip_topk_offset", None)
+                offset = 2 if offset is None else offset
+                values["indexer_types"] = [
+                    "full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)
+                ]
+        linear = read(text, "linear_attn_config", None)
+        if linear is not None:  # overrides the linear_* fields, as in transformers
+            for name, key in (
+                ("linear_head_dim", "head_dim"),
+                ("linear_num_heads", "num_heads"),
+                ("linear_conv_kernel_dim", "short_conv_kernel_size"),
+                ("linear_lower_bound", "gate_lower_bound"),
+            ):
+                values[name] = read(linear, key, values.get(name, getattr(cls, name)))
+            if read(linear, "safe_gate", True) and values["linear_lower_bound"] is None:
+                values["linear_lower_bound"] = -5.0
         for name in ("layer_types", "mlp_layer_types", "indexer_types"):
             if values.get(name) is not None:
                 values[name] = tuple(values[name])
-        if values.get("layer_types"):  # transformers 5.20 (vLLM 0.33's) says indexed_attention
+        # transformers 5.17 still reads full_attention; 5.20 (vLLM 0.33's) indexed_attention.
+        if values.get("layer_types"):
             values["layer_types"] = tuple(
-                "deepseek_sparse_attention" if t == "indexed_attention" else t
+                "deepseek_sparse_attention" if t in ("full_attention", "indexed_attention") else t
                 for t in values["layer_types"]
             )
         return cls(**values, **extra)

@@ -11,7 +11,6 @@ request, a decode of 1 token or a verify of q tokens per request), `accept` a ve
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -22,8 +21,9 @@ from glm5_kernels.norm import rms_norm_ref
 
 from .caches import allocate
 from .config import Geometry
+from .memory import fit_problem
 from .stages import RankStages, Step, reduce
-from .weights import load_rank, model_specs, random_rank, random_state_dict, shard_shape
+from .weights import load_rank, random_rank, random_state_dict
 
 
 class ReferenceModel:
@@ -94,7 +94,13 @@ class ReferenceModel:
         """Random weights: with every rank held, the full model drawn and sharded (so a TP
         simulation equals TP 1); a subset of ranks draws each shard at its own size,
         streamed to the device (one rank of the flash model fits one GPU)."""
-        _check_fits(g, torch.device(device))
+        keys = ("max_requests", "max_context", "q", "block_size", "indexer_numerics")
+        sizes = {k: v for k, v in kw.items() if k in keys}
+        problem = fit_problem(
+            g, device, **{"max_requests": 1, "max_context": 1, **sizes}, dtype=dtype
+        )
+        if problem:
+            raise ValueError(problem)
         if g.full_tp:
             sd = random_state_dict(g, seed)
             return cls.from_state_dict(g, sd, device=device, ue8m0=ue8m0, dtype=dtype, **kw)
@@ -323,21 +329,3 @@ class ReferenceModel:
             problems.append(f"tokens: ids outside the vocabulary 0..{self.g.vocab_size - 1}")
         if problems:
             raise ValueError("bad tokens:\n" + "\n".join(f"  - {p}" for p in problems))
-
-
-def _check_fits(g: Geometry, device: torch.device) -> None:
-    """One clear error, before allocating, when the shards' weights cannot fit `device`."""
-    held = len(g.ranks) * sum(
-        math.prod(shard_shape(spec, g.tp_size)) * (1 if spec.fp8 else 2)
-        for spec in model_specs(g).values()
-    )
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if held > free:
-        raise ValueError(
-            f"geometry: {len(g.ranks)} of {g.tp_size} ranks hold {held / 2**30:.0f} GiB of "
-            f"weights, {device} has {free / 2**30:.0f} GiB free (one rank of a TP4 "
-            "deployment, 'flash-tp4-rank', fits one H200)"
-        )

@@ -1,0 +1,219 @@
+"""`glm5-decode`: every bad input is argparse's refusal (a usage block, one error line, exit
+status 2, no traceback) before any work; `--help` imports no torch; the demo shows prompts
+and generated tokens apart. Also `Geometry.from_hf` on a plain config.json, and the memory
+estimate the demo's refusal rests on."""
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from glm5_runtime import cli
+from glm5_runtime.reference import ReferenceModel, geometry
+from glm5_runtime.reference import memory as reference_memory
+
+
+def refused(capsys, argv: list[str]) -> str:
+    """main(argv)'s error line, after checking it is argparse's refusal: exit status 2,
+    stderr a usage block then exactly one "glm5-decode ...: error: ..." line, last."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    lines = err.rstrip("\n").splitlines()
+    assert info.value.code == 2, err
+    assert "Traceback" not in err
+    assert lines[0].startswith("usage: glm5-decode")
+    *usage, error = lines
+    assert all(line.startswith(("usage:", " ")) for line in usage), err
+    assert error.startswith("glm5-decode") and ": error: " in error
+    return error.split(": error: ", 1)[1]
+
+
+@pytest.fixture
+def no_build(monkeypatch):
+    """A refusal that fails to come must not build a model (flash would take 77 GiB)."""
+
+    def build(*args, **kwargs):
+        raise AssertionError("built a model: the input was not refused")
+
+    monkeypatch.setattr(ReferenceModel, "random", build)
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["demo", "--prompts", "0"], "argument --prompts: expects a positive integer, got '0'"),
+        (["demo", "--steps", "0"], "argument --steps: expects a positive integer, got '0'"),
+        (["demo", "--spec", "-1"], "argument --spec: expects an integer in 0..7"),
+        (["demo", "--spec", "10"], "argument --spec: expects an integer in 0..7"),
+        (["demo", "--prompt-len", "abc"], "argument --prompt-len: expects a positive integer"),
+        (["demo", "--max-context", "0"], "argument --max-context: expects a positive integer"),
+        (["demo", "--seed", "-1"], "argument --seed: expects an integer in 0.."),
+        (["demo", "--geometry", "flash-tp3-rank"], "argument --geometry: invalid choice"),
+        (["demo", "--max-context", "40"], "--max-context 40: a 24-token prompt and 8 steps"),
+        (["bench", "--tokens", "abc"], "argument --tokens: expects comma-separated token counts"),
+        (["bench", "--tokens", "1,,8"], "argument --tokens: expects comma-separated"),
+        (["bench", "--tokens", "1,128"], "argument --tokens: expects comma-separated"),
+        (["bench", "--q", "4", "--tokens", "4,6"], "--tokens 4,6: [6] not multiples of --q 4"),
+        (["bench", "--q", "9"], "argument --q: expects an integer in 1..8"),
+        (["bench", "--iters", "0"], "argument --iters: expects a positive integer"),
+        (["bench", "--context", "0"], "argument --context: expects a positive integer"),
+        (["bench", "--stock", "cublas"], "argument --stock: invalid choice"),
+        (["bench", "--policy", "{"], "argument --policy: policy: not valid JSON"),
+        (["bench", "--policy", '{"moe": "x"}'], "argument --policy: policy['moe']: unknown"),
+        (["bench", "--out", "/no/such/folder/b.json"], "argument --out: no folder"),
+        (["bench", "--plot", "b.png"], "--plot: needs --out"),
+        (["plot", "no-such-file.json", "--out", "p.png"], "argument results: cannot read"),
+        ([], "the following arguments are required"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else "",
+)
+def test_bad_input_is_one_line(capsys, no_build, no_cuda, argv, message):
+    assert refused(capsys, argv).startswith(message)
+
+
+def test_cuda_demo_without_cuda(capsys, no_build, no_cuda):
+    assert refused(capsys, ["demo", "--device", "cuda"]).startswith("--device cuda: torch ")
+
+
+def test_bench_checks_arguments_then_cuda(capsys, no_build, no_cuda):
+    assert refused(capsys, ["bench", "--tokens", "abc"]).startswith("argument --tokens")
+    assert refused(capsys, ["bench"]).startswith("needs a CUDA GPU: torch ")
+
+
+@pytest.mark.parametrize("argv", [["plot", "{results}", "--out", "p.png"],
+                                  ["bench", "--out", "b.json", "--plot", "b.png"]])  # fmt: skip
+def test_plot_without_matplotlib(capsys, monkeypatch, no_cuda, tmp_path, argv):
+    results = tmp_path / "bench.json"
+    results.write_text(json.dumps({"rows": []}))
+    monkeypatch.setattr(cli, "_installed", lambda module: module != "matplotlib")
+    argv = [a.format(results=results) for a in argv]
+    assert refused(capsys, argv) == "plotting needs matplotlib: pip install matplotlib"
+
+
+def test_more_prompts_than_fit(capsys, monkeypatch, no_build):
+    monkeypatch.setattr(reference_memory, "free_bytes", lambda device: 4 << 30)
+    error = refused(capsys, ["demo", "--prompts", "100000"])
+    assert error.startswith("--geometry tiny: 1 of 1 TP ranks need ")
+    assert "for 100000 requests of 512 tokens), 4.0 GiB free: at most " in error
+    fit = int(error.split("at most ")[1].split()[0])
+    caches = reference_memory.cache_bytes(geometry("tiny"), max_requests=fit, max_context=512, q=4)
+    assert 0 < fit < 100000 and caches <= 4 << 30
+
+
+def test_geometry_too_large_names_one_that_fits(capsys, monkeypatch, no_build):
+    # 60 GiB: one rank of TP 4 (77 GiB of weights) does not fit, one of TP 8 (39 GiB) does.
+    monkeypatch.setattr(reference_memory, "free_bytes", lambda device: 60 << 30)
+    error = refused(capsys, ["demo", "--geometry", "flash-tp4-rank"])
+    assert error.startswith("--geometry flash-tp4-rank: 1 of 4 TP ranks need ")
+    assert error.endswith("geometry 'flash-tp8-rank' fits")
+
+
+def test_help_imports_no_torch():
+    script = """
+import sys
+from glm5_runtime.cli import main
+for argv in (["--help"], ["demo", "--help"], ["bench", "--help"]):
+    try:
+        main(argv)
+    except SystemExit as exit:
+        assert exit.code == 0
+heavy = sorted(m for m in ("torch", "triton", "numpy", "transformers") if m in sys.modules)
+assert not heavy, heavy
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "--max-context MAX_CONTEXT" in run.stdout and "(default: 512)" in run.stdout
+
+
+def test_geometry_choices_are_the_named_geometries():
+    for name in cli.GEOMETRIES:
+        geometry(name)
+
+
+def test_tiny_demo_shows_prompt_and_generated_tokens_apart(capsys):
+    cli.main(["demo", "--prompts", "1", "--steps", "1", "--prompt-len", "8"])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    prompt = next(i for i, line in enumerate(lines) if line.startswith("prompt 0 (8 tokens): ["))
+    step = next(i for i, line in enumerate(lines) if line.startswith("  step 1/1: drafts ["))
+    generated = next(i for i, line in enumerate(lines) if line.startswith("generated ("))
+    assert prompt < step < generated
+    assert "q = 4 tokens each" in out
+    assert "drafts accepted: with random weights" in out
+    tokens = json.loads(lines[generated].split(": ", 1)[1])
+    assert lines[generated].startswith(f"generated ({len(tokens)} tokens)") and len(tokens) >= 2
+
+
+def test_cache_estimate_is_what_the_model_allocates():
+    g = geometry("tiny")
+    kw = dict(max_requests=3, max_context=200, q=4, block_size=32)
+    model = ReferenceModel.random(g, **kw)
+    caches = [model.block_table, model.state_slots] + [
+        t
+        for rank in model.ranks
+        for kind in (rank.c.conv, rank.c.recurrent, rank.c.latent, rank.c.tail, rank.c.kpool)
+        for t in kind.values()
+    ]
+    assert reference_memory.cache_bytes(g, **kw) == sum(t.nbytes for t in caches)
+
+
+# Geometry.from_hf: a config.json read without transformers gives the transformers config's
+# geometry, including what Glm5NextTextConfig derives in __post_init__.
+def _plain(d: dict) -> SimpleNamespace:
+    return json.loads(json.dumps(d), object_hook=lambda o: SimpleNamespace(**o))
+
+
+def test_from_hf_plain_flash_config():
+    from glm5_runtime.reference import Geometry
+
+    config = geometry("flash").to_hf()
+    assert Geometry.from_hf(_plain(config.to_dict())) == Geometry.from_hf(config)
+    assert Geometry.from_hf(json.loads(config.to_json_string())) == Geometry.from_hf(config)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"index_topk_pattern": "FFFFSFFF"},
+        {"index_topk_pattern": ["full", "full", "full", "full", "shared", "full", "full", "full"]},
+        {"index_topk_freq": 4, "index_skip_topk_offset": 4},
+        {"index_topk_freq": 1},
+        {},  # no indexer schedule at all: every layer runs its indexer
+    ],
+    ids=["pattern", "pattern-list", "freq-offset", "freq-1", "none"],
+)
+def test_from_hf_plain_derives_the_indexer_schedule(changes):
+    transformers = pytest.importorskip("transformers")
+    from glm5_runtime.reference import Geometry
+
+    d = geometry("tiny").to_hf().to_dict()
+    del d["indexer_types"]
+    d.update(changes)
+    expected = Geometry.from_hf(transformers.Glm5NextTextConfig(**d))
+    assert Geometry.from_hf(_plain(d)) == expected
+    assert Geometry.from_hf(d) == expected
+    # A composite Glm5NextConfig's json holds the text fields under text_config.
+    assert Geometry.from_hf(_plain({"text_config": d})) == expected
+
+
+def test_from_hf_plain_linear_attn_config_and_layer_names():
+    transformers = pytest.importorskip("transformers")
+    from glm5_runtime.reference import Geometry
+
+    d = geometry("tiny").to_hf().to_dict()
+    d["layer_types"] = [
+        "full_attention" if t == "deepseek_sparse_attention" else t for t in d["layer_types"]
+    ]
+    d["linear_attn_config"] = {"head_dim": 32, "num_heads": 4, "gate_lower_bound": None}
+    expected = Geometry.from_hf(transformers.Glm5NextTextConfig(**d))
+    assert expected.linear_head_dim == 32 and expected.linear_lower_bound == -5.0
+    assert Geometry.from_hf(_plain(d)) == expected
