@@ -31,6 +31,7 @@ from .decode import SpecializedDecode
 from .library import LibraryStock
 from .reference import ReferenceModel, geometry
 from .reference.backbone import ReferenceBackbone
+from .reference.stages import _pages
 
 __all__ = ["StageMarks", "floor_bytes", "graph_nodes", "plot", "run", "table"]
 
@@ -129,6 +130,38 @@ def floor_bytes(model: ReferenceModel, batch: int, context: int) -> float:
     return dense + routed + attention + states
 
 
+def _fill_caches(model: ReferenceModel, seed: int = 0) -> None:
+    """Random caches at the benchmark's context (no step is timed on zeros: zero latents,
+    pool keys and states take other paths through softmax, top-k and the recurrence than a
+    served request's, and ran faster on the H200). Scales are kept positive and FP8 keys
+    finite; the KDA states small enough that the delta rule stays in range."""
+    gen = torch.Generator(model.device).manual_seed(seed)
+
+    def randn(t: torch.Tensor, std: float = 1.0) -> torch.Tensor:
+        return torch.randn(t.shape, generator=gen, device=t.device) * std
+
+    for rank in model.ranks:
+        c = rank.c
+        for kind, std in ((c.conv, 1.0), (c.latent, 1.0), (c.tail, 1.0), (c.recurrent, 0.1)):
+            for t in kind.values():
+                t.copy_(randn(t, std).to(t.dtype))
+        for t in c.kpool.values():
+            if t.dtype != torch.uint8:
+                t.copy_(randn(t).to(t.dtype))
+                continue
+            keys, scales = _pages(t)  # vLLM's pages: FP8 pool keys, then FP32 scales
+            keys.copy_(randn(keys).to(torch.float8_e4m3fn).view(torch.uint8))
+            scales.copy_(0.01 + torch.rand(scales.shape, generator=gen, device=t.device) / 100)
+
+
+def _token_ids(model: ReferenceModel, requests: int, q: int) -> torch.Tensor:
+    """Token ids [requests, q] in the first held rank's vocabulary slice: a rank embeds only
+    its own rows, so with one rank of TP held, other ids would embed to zeros."""
+    rows = model.ranks[0].w["embed_tokens.weight"].shape[0]
+    first = model.ranks[0].rank * rows
+    return torch.randint(first, first + rows, (requests, q), device=model.device)
+
+
 def _step(model: ReferenceModel, tokens: int, q: int, context: int):
     """A placed decode (q = 1) or verify step of `tokens` rows at `context`."""
     requests = list(range(tokens // q))
@@ -203,6 +236,7 @@ def run(args) -> dict:
     )  # fmt: skip
     for _ in range(max(tokens) // q):
         model.add()
+    _fill_caches(model)
     config = DecodeConfig.build(
         max_context=args.context + 16, q=q, capture_sizes=tokens, policy=args.policy,
         family=args.family,
@@ -217,7 +251,7 @@ def run(args) -> dict:
     kernels = None
     for i, b in enumerate(tokens):
         requests, step = _step(model, b, q, args.context)
-        ids = torch.randint(0, g.vocab_size, (len(requests), q), device="cuda")
+        ids = _token_ids(model, len(requests), q)
         results = {}
         for j, side in enumerate(sides):
             _progress(len(sides) * i + j, total, f"{b} tokens: {side}")

@@ -1,0 +1,35 @@
+"""The bench's inputs off the GPU: random caches (no step timed on zeros) and token ids each
+held rank embeds; and its tables straight from a results file."""
+
+import torch
+
+from glm5_runtime.bench import _fill_caches, _token_ids, table
+from glm5_runtime.reference import ReferenceModel, geometry
+from glm5_runtime.reference.stages import _pages
+
+
+def test_caches_are_filled_finite_and_nonzero():
+    model = ReferenceModel.random(geometry("tiny"), max_requests=2, max_context=32)
+    _fill_caches(model)
+    c = model.ranks[0].c
+    for kind in (c.conv, c.latent, c.tail, c.recurrent):
+        for t in kind.values():
+            assert torch.isfinite(t.float()).all() and (t != 0).float().mean() > 0.9
+    for t in c.kpool.values():
+        keys, scales = _pages(t)
+        assert torch.isfinite(keys.view(torch.float8_e4m3fn).float()).all()
+        assert (scales > 0).all() and torch.isfinite(scales).all()
+
+
+def test_token_ids_embed_on_the_held_rank():
+    model = ReferenceModel.random(
+        geometry("tiny", tp_size=2, ranks=(1,)), max_requests=3, max_context=16
+    )
+    ids = _token_ids(model, 3, 2)
+    assert ids.shape == (3, 2)
+    assert (model.ranks[0].embed(ids).abs().sum(-1) > 0).all()
+
+
+def test_table_of_a_committed_result():
+    text = table(["benchmarks/results/decode_h200_tp4.json"])
+    assert "| flash-tp4-rank | 1 |" in text and "mhc, norms, reduce" in text
