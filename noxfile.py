@@ -40,9 +40,12 @@ def tests(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def vllm_tests(session: nox.Session) -> None:
     """The plugin against the real vllm==0.33.0 (a CUDA build of torch: a large venv)."""
-    # vLLM pins its own torch, Triton and transformers: only the test runners beside it.
-    session.install("vllm==0.33.0", "pytest>=8", "hypothesis>=6.100")
-    _install(session, *PACKAGES, "glm5-vllm")
+    # vLLM pins torch but leaves transformers, Triton and the rest open: the constraints
+    # file (a pip freeze of this venv; its header says how to regenerate it) pins them all.
+    # One pip run: the editable siblings resolve from their paths, under the same pins.
+    editable = [arg for p in (*PACKAGES, "glm5-vllm") for arg in ("-e", f"packages/{p}")]
+    pins = ["-c", "constraints/vllm.txt"]
+    session.install(*pins, "vllm==0.33.0", "pytest>=8", "hypothesis>=6.100", *editable)
     # The adapter's tests run glm5-kernels' Triton stage ops over vLLM's CPU modules.
     env = {"TRITON_INTERPRET": "1"}
     session.run("pytest", "-m", "vllm", "tests/glm5_vllm", *session.posargs, env=env)

@@ -208,3 +208,14 @@ def test_fuzz_any_json_is_accepted_or_a_value_error(obj, family):
             assert error.problems and all(isinstance(p, str) for p in error.problems)
         else:
             assert Policy.from_json(policy.to_json()) == policy
+
+
+def test_a_deeply_nested_table_is_one_error():
+    deep = "[" * 100_000 + "]" * 100_000
+    with pytest.raises(PolicyError, match="nested too deeply"):
+        parse_table('{"moe": ' + deep + "}")
+    value: list = []
+    for _ in range(100_000):
+        value = [value]
+    with pytest.raises(PolicyError, match="unknown choice"):
+        parse_table({"moe": {"1-4": value}})

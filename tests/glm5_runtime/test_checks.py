@@ -18,6 +18,7 @@ def test_supported_deployments_have_no_reasons():
     for tp in (1, 2, 4, 8):
         assert unsupported(replace(GOOD, tensor_parallel=tp)) == []
     assert unsupported(replace(GOOD, capability=(10, 0), kv_cache_dtype="fp8")) == []
+    assert unsupported(replace(GOOD, kv_cache_dtype="fp8_ds_mla")) == []
     assert unsupported(replace(GOOD, speculative_method=None, speculative_tokens=0)) == []
     check(GOOD)
 

@@ -9,6 +9,21 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def vllm_cpu_platform():
+    """vLLM's CPU platform (tiny_model's, which also builds sparse-MLA layers) as the current
+    platform before any test imports vllm.config: it binds `current_platform` when it loads,
+    and the platform's hooks (CpuPlatform.check_and_update_config) shape every config the
+    tests build. Set first, they are the CPU platform's whatever test runs first."""
+    import vllm.platforms
+    from tiny_model import cpu_platform
+
+    previous = vllm.platforms._current_platform
+    cpu_platform()
+    yield
+    vllm.platforms._current_platform = previous
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     """A folder holding the tiny geometry's config.json, as a checkpoint's (with "mhc")."""
@@ -24,13 +39,15 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture
 def vllm_config(model_dir):
-    """VllmConfig(**sections) for the tiny model on CPU; sections override the defaults."""
-    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+    """VllmConfig(**sections) for the tiny model on CPU (tiny_model.cpu_config: prefix
+    caching off, whatever the CPU); sections override the defaults."""
+    from tiny_model import cpu_config
+    from vllm.config import ModelConfig
 
     def build(model_kw=None, **sections):
         model = ModelConfig(
             model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", **(model_kw or {})
         )
-        return VllmConfig(model_config=model, device_config=DeviceConfig(device="cpu"), **sections)
+        return cpu_config(model, **sections)
 
     return build

@@ -25,12 +25,9 @@ def built(tmp_path_factory, monkeypatch_module):
     # wheel); these switches send them down vLLM's own torch fallback (F.linear).
     monkeypatch_module.setattr(layer_utils, "check_cpu_sgl_kernel", lambda *a: False)
     monkeypatch_module.setattr(layer_utils.ops, "_supports_onednn", False, raising=False)
-    import vllm.platforms
     from tiny_model import build
 
-    platform = vllm.platforms._current_platform
-    yield build(tmp_path_factory.mktemp("glm5-vllm-tiny"))
-    vllm.platforms._current_platform = platform  # build() set vLLM's CpuPlatform
+    return build(tmp_path_factory.mktemp("glm5-vllm-tiny"))  # on conftest's CPU platform
 
 
 @pytest.fixture(scope="module")

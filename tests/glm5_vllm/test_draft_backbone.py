@@ -23,12 +23,9 @@ def built(tmp_path_factory, monkeypatch_module):
     # As in test_backbone.py: vLLM's own torch fallback for CPU linears.
     monkeypatch_module.setattr(layer_utils, "check_cpu_sgl_kernel", lambda *a: False)
     monkeypatch_module.setattr(layer_utils.ops, "_supports_onednn", False, raising=False)
-    import vllm.platforms
     from tiny_model import build
 
-    platform = vllm.platforms._current_platform
-    yield build(tmp_path_factory.mktemp("glm5-vllm-mtp"), draft=True)
-    vllm.platforms._current_platform = platform
+    return build(tmp_path_factory.mktemp("glm5-vllm-mtp"), draft=True)  # on conftest's CPU platform
 
 
 def _rel(a, b):

@@ -1,5 +1,10 @@
 """specialized_decode_config / unsupported on real VllmConfig objects: one reason per
-unsupported setting, all of them at once, our additional_config keys only."""
+unsupported setting, all of them at once, our additional_config keys only (a policy the
+stock decode ignores and a misspelling of our keys warn once; a policy nested past the
+recursion limit is one error); every spelling of the sparse-MLA FP8 cache. The configs come
+from the same builders on CPUs with and without AMX."""
+
+import sys
 
 import pytest
 import torch
@@ -158,3 +163,183 @@ def test_models_fail_before_building_when_the_request_cannot_run(vllm_config):
     model = models.Glm5NextForCausalLM.__new__(models.Glm5NextForCausalLM)
     model._configure(stock)
     assert model.glm5_decode is None
+
+
+# The tests' VllmConfig builders on both kinds of CPU. vLLM's CPU platform turns prefix
+# caching off for MLA models unless the CPU has AMX tiles, after the hybrid-model hook tied
+# mamba_block_size to it: the builders ask for it off from the start.
+
+
+def _amx(monkeypatch, available):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: available)
+
+
+def _x86():
+    from vllm.platforms.cpu import CpuArchEnum, CpuPlatform
+
+    return CpuPlatform.get_cpu_architecture() == CpuArchEnum.X86
+
+
+def _stripped(config):
+    """The deployment and decode config on an H200, the model's config object aside."""
+    from dataclasses import replace
+
+    from glm5_vllm.config import deployment, specialized_decode_config
+
+    return replace(deployment(config, H200), model=None), specialized_decode_config(config, H200)
+
+
+@pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
+def test_builders_agree_with_and_without_amx(vllm_config, tmp_path, monkeypatch, amx):
+    from tiny_model import tiny_config
+
+    from glm5_vllm.config import unsupported
+
+    _amx(monkeypatch, amx)
+    config = _good(vllm_config)
+    draft = tiny_config(tmp_path, draft=True)  # build()'s: the MTP drafter's speculative config
+    for c in (config, draft):
+        assert not c.cache_config.enable_prefix_caching
+        assert c.cache_config.mamba_block_size == c.model_config.max_model_len
+    assert unsupported(config, H200) == []
+    _amx(monkeypatch, not amx)
+    assert _stripped(config) == _stripped(_good(vllm_config))
+
+
+def test_the_checks_do_not_depend_on_prefix_caching(vllm_config, monkeypatch):
+    """vLLM's default (prefix caching on, as on a GPU) builds on CPU only with AMX tiles, and
+    gives the same deployment there as the builders' prefix caching off; without AMX, vLLM
+    0.33 refuses it (the failure the builders avoid: if this stops raising, vLLM fixed it)."""
+    from vllm.config import CacheConfig
+
+    if not _x86():
+        pytest.skip("vLLM's CPU platform probes AMX on x86 only")
+    _amx(monkeypatch, True)
+    on = _full_graphs(
+        vllm_config(
+            cache_config=CacheConfig(), additional_config={"decode_backend": "latency_specialized"}
+        )
+    )
+    assert on.cache_config.enable_prefix_caching
+    assert on.cache_config.mamba_block_size != on.model_config.max_model_len
+    assert _stripped(on) == _stripped(_good(vllm_config))
+    _amx(monkeypatch, False)
+    with pytest.raises(ValueError, match="--mamba-block-size can only be set"):
+        vllm_config(cache_config=CacheConfig())
+
+
+# additional_config: malformed policies, ignored policies and misspelled keys
+
+
+@pytest.fixture
+def warnings_once(monkeypatch, caplog):
+    """A fresh process's record of what glm5-vllm has warned; the warnings it then logs."""
+    from glm5_vllm import config
+
+    monkeypatch.setattr(config, "_warned", set())
+    caplog.set_level("WARNING", logger="glm5_vllm")
+
+    def logged():
+        return [r.getMessage() for r in caplog.records if r.name == "glm5_vllm"]
+
+    return logged
+
+
+def _deep(depth, leaf):
+    for _ in range(depth):
+        leaf = {"1-8": leaf}
+    return leaf
+
+
+@pytest.mark.parametrize("form", ["mapping", "json"])
+def test_a_deeply_nested_policy_is_one_clear_error(vllm_config, form):
+    """Parsing recurses (json.loads of the text form, repr of a bad value in the mapping
+    form): past Python's recursion limit it is still one ValueError naming the policy."""
+    from glm5_vllm.config import specialized_decode_config
+
+    depth = 10 * sys.getrecursionlimit()
+    policy = {"moe": _deep(depth, "grouped")}
+    if form == "json":
+        policy = '{"moe": ' + "[" * depth + "]" * depth + "}"
+    config = _good(vllm_config)
+    config.additional_config["policy"] = policy
+    with pytest.raises(ValueError) as e:
+        specialized_decode_config(config, H200)
+    (problem,) = str(e.value).splitlines()[1:]  # one problem under the heading
+    assert problem.startswith("  - policy")
+    assert ("nested too deeply" if form == "json" else "unknown choice") in problem
+
+
+@pytest.mark.parametrize("backend", [None, "auto"], ids=["absent", "auto"])
+def test_a_policy_for_the_stock_decode_warns_once(vllm_config, warnings_once, backend):
+    from glm5_vllm.config import specialized_decode_config
+
+    extra = {"policy": {"moe": "grouped"}}
+    if backend is not None:
+        extra["decode_backend"] = backend
+    configs = [vllm_config(additional_config=extra), vllm_config(additional_config=dict(extra))]
+    for config in configs * 2:  # every model class built in the process reads it
+        assert specialized_decode_config(config, H200) is None
+    (message,) = warnings_once()
+    assert "additional_config['policy'] is ignored" in message
+    assert "latency_specialized" in message
+    assert ("not set" if backend is None else "decode_backend is 'auto'") in message
+    # Asked for (the policy is read) or no policy given: nothing to warn about.
+    specialized_decode_config(_good(vllm_config, policy={"moe": "grouped"}), H200)
+    specialized_decode_config(vllm_config(additional_config={"policy": None}), H200)
+    assert len(warnings_once()) == 1
+
+
+@pytest.mark.parametrize(
+    ("key", "ours"),
+    [("polcy", "policy"), ("Policy", "policy"), ("ploicy", "policy"),
+     ("decode_backnd", "decode_backend"), ("decode-backend", "decode_backend"),
+     ("decodebackend", "decode_backend")],
+)  # fmt: skip
+def test_a_misspelled_key_of_ours_warns_once_naming_it(vllm_config, warnings_once, key, ours):
+    from glm5_vllm.config import specialized_decode_config
+
+    config = vllm_config(additional_config={key: "latency_specialized", "kda_decode_backend": "x"})
+    for _ in range(3):
+        assert specialized_decode_config(config, H200) is None  # stock: the key is not read
+    (message,) = warnings_once()
+    assert f"additional_config[{key!r}]" in message and f"did you mean {ours!r}" in message
+
+
+def test_other_keys_stay_silent(vllm_config, warnings_once):
+    """vLLM 0.33's own keys (some named after ours) and other plugins' keys."""
+    from glm5_vllm.config import specialized_decode_config
+
+    vllms = ["kda_decode_backend", "kda_spec_decode_backend", "kda_prefill_backend",
+             "gdn_prefill_backend", "kda_prefill_checkpoint"]  # fmt: skip
+    others = ["someone", "spec_decode_backend", "device_backend", "moe_backend", "policies",
+              "profile", "ascend_scheduler_config"]  # fmt: skip
+    extra = dict.fromkeys(vllms + others, "auto")
+    specialized_decode_config(vllm_config(additional_config=extra), H200)
+    specialized_decode_config(_good(vllm_config, **extra), H200)
+    assert warnings_once() == []
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "fp8_e4m3", "fp8_ds_mla"])
+def test_every_spelling_of_the_sparse_mla_fp8_cache_is_supported(vllm_config, dtype):
+    """vLLM 0.33 serves "fp8" (and "fp8_e4m3") on FlashMLA-sparse as "fp8_ds_mla", and says
+    so in the shared cache_config when it builds an MLA layer: the drafter, built after the
+    target, reads the new name. Both spellings are the same deployment."""
+    from vllm.config import CacheConfig
+    from vllm.model_executor.layers.attention.mla_attention import (
+        _canonicalize_sparse_mla_kv_cache_dtype as canonical,
+    )
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
+
+    from glm5_vllm.config import deployment, specialized_decode_config, unsupported
+
+    assert canonical(FlashMLASparseBackend, dtype) == "fp8_ds_mla"
+    cache = CacheConfig(cache_dtype=dtype, enable_prefix_caching=False)
+    config = _good(vllm_config, cache_config=cache)
+    config.additional_config = {"decode_backend": "latency_specialized"}
+    for capability in (H200, (10, 0)):
+        assert unsupported(config, capability) == []
+    first = specialized_decode_config(config, H200)
+    config.cache_config.cache_dtype = canonical(FlashMLASparseBackend, dtype)  # as MLA layers do
+    assert unsupported(config, H200) == [] and specialized_decode_config(config, H200) == first
+    assert deployment(config, H200).kv_cache_dtype == "fp8"

@@ -61,7 +61,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _cpu_platform():
+def cpu_platform():
     import vllm.platforms
     from vllm.platforms.cpu import CpuPlatform
 
@@ -82,24 +82,25 @@ def _cpu_platform():
     vllm.platforms._current_platform = CpuBuildingSparseMla()
 
 
-def build(folder, additional_config=None, draft=False):
-    """(vLLM model, VllmConfig, reference model over the FP8 checkpoint, the HF-named FP32
-    state dict vLLM loaded). `draft`: the checkpoint gains an MTP layer and the model is
-    vLLM's MTP drafter for it (the speculative config needs the checkpoint's top-level
-    "glm5_next" config, whose text config is the model's)."""
-    _cpu_platform()
-    from vllm.config import (
-        DeviceConfig,
-        ModelConfig,
-        ParallelConfig,
-        SpeculativeConfig,
-        VllmConfig,
-        set_current_vllm_config,
-    )
-    from vllm.distributed import parallel_state
-    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+def cpu_config(model_config, **sections):
+    """VllmConfig(**sections) on CPU, with prefix caching off unless `cache_config` says.
 
-    from glm5_vllm.models import Glm5NextForCausalLM, Glm5NextMTP
+    Off because vLLM's CPU platform decides it after the model's config hooks: the hybrid
+    (KDA + MLA) hook ties `mamba_block_size` to the block size while prefix caching is on,
+    then `CpuPlatform.check_and_update_config` turns prefix caching off for MLA models
+    without AMX tiles (`torch.cpu._is_amx_tile_supported()`), and `validate_mamba_block_size`
+    rejects the pair. Off from the start, the hook keeps `mamba_block_size` at
+    max_model_len and both kinds of CPU build the same config."""
+    from vllm.config import CacheConfig, DeviceConfig, VllmConfig
+
+    sections.setdefault("cache_config", CacheConfig(enable_prefix_caching=False))
+    device = DeviceConfig(device="cpu")
+    return VllmConfig(model_config=model_config, device_config=device, **sections)
+
+
+def tiny_config(folder, additional_config=None, draft=False):
+    """The VllmConfig of build(), its checkpoint config written to `folder`."""
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
 
     g = tiny_geometry(1 if draft else 0)
     config = g.to_hf().to_dict()
@@ -122,10 +123,25 @@ def build(folder, additional_config=None, draft=False):
             method="mtp", num_speculative_tokens=1, target_model_config=model_config,
             target_parallel_config=ParallelConfig(),
         )  # fmt: skip
-    vllm_config = VllmConfig(
-        model_config=model_config, device_config=DeviceConfig(device="cpu"),
-        additional_config=additional_config or {}, speculative_config=speculative,
-    )  # fmt: skip
+    return cpu_config(
+        model_config, additional_config=additional_config or {}, speculative_config=speculative
+    )
+
+
+def build(folder, additional_config=None, draft=False):
+    """(vLLM model, VllmConfig, reference model over the FP8 checkpoint, the HF-named FP32
+    state dict vLLM loaded). `draft`: the checkpoint gains an MTP layer and the model is
+    vLLM's MTP drafter for it (the speculative config needs the checkpoint's top-level
+    "glm5_next" config, whose text config is the model's)."""
+    cpu_platform()
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+
+    from glm5_vllm.models import Glm5NextForCausalLM, Glm5NextMTP
+
+    vllm_config = tiny_config(folder, additional_config, draft)
+    g = tiny_geometry(1 if draft else 0)
     fp8 = random_state_dict(g, seed=3)
     sd = dequantized(fp8)
     with set_current_vllm_config(vllm_config):

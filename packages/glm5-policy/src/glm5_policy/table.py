@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import json
 import re
+import reprlib
 from collections.abc import Mapping
 from importlib import resources
 from itertools import pairwise
@@ -71,7 +72,8 @@ def _choice(stage: str, value: Any, where: str, problems: list[str]) -> str | No
         return None
     if not isinstance(value, str) or value not in STAGES[stage]:
         known = ", ".join(sorted(STAGES[stage]))
-        problems.append(f"{where}: unknown choice {value!r} (expects one of {known} or null)")
+        shown = reprlib.repr(value)  # a deeply nested value must not recurse here
+        problems.append(f"{where}: unknown choice {shown} (expects one of {known} or null)")
     return value if isinstance(value, str) else None
 
 
@@ -123,6 +125,9 @@ def _parse(obj: Any, where: str, problems: list[str]) -> dict[str, tuple[Range, 
             obj = json.loads(obj)
         except json.JSONDecodeError as error:
             problems.append(f"{where}: not valid JSON ({error.msg} at char {error.pos})")
+            return {}
+        except RecursionError:
+            problems.append(f"{where}: nested too deeply to be a policy table")
             return {}
     if obj is None:
         return {}

@@ -87,8 +87,10 @@ def unsupported(d: Deployment) -> list[str]:
         # The loop runs only in FULL decode graphs; eager and PIECEWISE steps run stock.
         (not d.full_decode_graphs, "deployments without FULL decode CUDA graphs (enforce-eager)"),
         (
-            d.kv_cache_dtype not in ("auto", "bfloat16", "fp8", "fp8_e4m3"),
-            f"KV cache dtype {d.kv_cache_dtype!r} (expects auto, bfloat16 or fp8_e4m3)",
+            # vLLM 0.33 names the sparse-MLA FP8 cache fp8_ds_mla once it builds the layers.
+            d.kv_cache_dtype not in ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_ds_mla"),
+            f"KV cache dtype {d.kv_cache_dtype!r} (expects auto, bfloat16 or fp8: "
+            "fp8_e4m3 / fp8_ds_mla)",
         ),
         (
             d.speculative_method not in (None, "mtp"),

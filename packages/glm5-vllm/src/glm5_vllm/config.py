@@ -1,19 +1,51 @@
 """The deployment's specialized decode settings, read from a VllmConfig: our keys of
 `additional_config` ("decode_backend", "policy"; other plugins' and vLLM's keys are left
-alone), and every reason the deployment cannot run it (glm5_runtime.checks over the
-VllmConfig's parallel, compilation, cache and speculative settings)."""
+alone, except that one a keyboard slip away from ours warns), and every reason the deployment
+cannot run it (glm5_runtime.checks over the VllmConfig's parallel, compilation, cache and
+speculative settings).
+
+Warnings go out once per process: vLLM builds the model classes more than once per process
+(the multimodal wrapper builds its language model; the MTP drafter reads the same config)."""
 
 from __future__ import annotations
 
+import difflib
+import logging
 from typing import Any
 
-from glm5_policy import DecodeConfig, family_of
+from glm5_policy import DecodeConfig, PolicyError, family_of
 from glm5_runtime.checks import Deployment, DeploymentError
 from glm5_runtime.checks import unsupported as runtime_unsupported
 
-__all__ = ["BACKENDS", "deployment", "specialized_decode_config", "unsupported"]
+__all__ = ["BACKENDS", "KEYS", "deployment", "specialized_decode_config", "unsupported"]
 
 BACKENDS = ("auto", "latency_specialized")
+KEYS = ("decode_backend", "policy")  # ours in additional_config
+
+logger = logging.getLogger("glm5_vllm")
+_warned: set[Any] = set()  # what has been warned in this process
+
+
+def _warn_once(what: Any, message: str, *args: Any) -> None:
+    if what not in _warned:
+        _warned.add(what)
+        logger.warning(message, *args)
+
+
+def _misspelling_of(key: Any) -> str | None:
+    """Our key that `key` is a slip of the keyboard away from: a dropped, doubled or wrong
+    letter, two letters swapped, another case or '-' for '_' (at most two insertions or
+    deletions apart). Longer names built on ours (vLLM's own `kda_decode_backend`) are four
+    or more apart: other keys."""
+    if not isinstance(key, str) or key in KEYS:
+        return None
+    folded = key.lower().replace("-", "_")
+    for ours in KEYS:
+        match = difflib.SequenceMatcher(None, folded, ours)
+        common = sum(block.size for block in match.get_matching_blocks())
+        if len(folded) + len(ours) - 2 * common <= 2:
+            return ours
+    return None
 
 
 def _capability(capability: tuple[int, int] | None) -> tuple[int, int] | None:
@@ -51,7 +83,7 @@ def deployment(vllm_config: Any, capability: tuple[int, int] | None = None) -> D
         sleep_mode=bool(model.enable_sleep_mode),
         torch_compile=compilation.mode == CompilationMode.STOCK_TORCH_COMPILE,
         full_decode_graphs=graphs is not None and graphs.decode_mode() == CUDAGraphMode.FULL,
-        kv_cache_dtype=str(cache.cache_dtype),
+        kv_cache_dtype=_kv_cache_dtype(cache.cache_dtype),
         speculative_method=None if spec is None else spec.method,
         speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
         kda_state_dtypes=MambaStateDtypeCalculator.kda_state_dtype(
@@ -60,6 +92,16 @@ def deployment(vllm_config: Any, capability: tuple[int, int] | None = None) -> D
         ssm_replay=bool(cache.use_replayssm or cache.use_kda_recoverssm),
         mhc=bool(getattr(text, "mhc", False)),
     )
+
+
+def _kv_cache_dtype(dtype: Any) -> str:
+    """`fp8_ds_mla` is vLLM 0.33's name for the sparse-MLA FP8 cache that `fp8` asks for:
+    building an MLA layer on FlashMLA-sparse rewrites the shared cache_config's "fp8" (or
+    "fp8_e4m3") to "fp8_ds_mla" (`_canonicalize_sparse_mla_kv_cache_dtype`), so a model
+    built later in the process (the MTP drafter) reads "fp8_ds_mla" where the target read
+    "fp8". The stages never read the KV cache (vLLM's attention does): both are FP8."""
+    dtype = str(dtype)
+    return "fp8" if dtype == "fp8_ds_mla" else dtype
 
 
 def unsupported(vllm_config: Any, capability: tuple[int, int] | None = None) -> list[str]:
@@ -81,10 +123,26 @@ def specialized_decode_config(
 ) -> DecodeConfig | None:
     """The specialized decode's settings, None for the stock decode. Raises one ValueError
     naming every problem when it is requested for a deployment it cannot run, or with a
-    backend name or policy table it does not know."""
+    backend name or policy table it does not know. Warns (once per process) when a policy
+    is given for the stock decode, and when a key is a misspelling of ours."""
     extra = _extra(vllm_config)
+    for key in extra:
+        ours = _misspelling_of(key)
+        if ours is not None:
+            _warn_once(
+                ("misspelled", key),
+                "additional_config[%r] is not a key glm5-vllm reads: did you mean %r?",
+                key, ours,
+            )  # fmt: skip
     backend = extra.get("decode_backend", "auto")
     if backend == "auto":
+        if extra.get("policy") is not None:
+            _warn_once(
+                "policy ignored",
+                "additional_config['policy'] is ignored: decode_backend is %s, not "
+                "'latency_specialized' (vLLM's stock decode runs)",
+                repr(backend) if "decode_backend" in extra else "not set",
+            )  # fmt: skip
         return None
     if backend not in BACKENDS:
         raise ValueError(
@@ -95,10 +153,16 @@ def specialized_decode_config(
         raise DeploymentError(reasons)
     spec = vllm_config.speculative_config
     c = _capability(capability)
-    return DecodeConfig.build(
-        max_context=vllm_config.model_config.max_model_len,
-        q=1 + (spec.num_speculative_tokens if spec is not None else 0),
-        capture_sizes=tuple(vllm_config.compilation_config.cudagraph_capture_sizes or ()),
-        policy=extra.get("policy"),
-        family=family_of(c),
-    )
+    try:
+        return DecodeConfig.build(
+            max_context=vllm_config.model_config.max_model_len,
+            q=1 + (spec.num_speculative_tokens if spec is not None else 0),
+            capture_sizes=tuple(vllm_config.compilation_config.cudagraph_capture_sizes or ()),
+            policy=extra.get("policy"),
+            family=family_of(c),
+        )
+    except RecursionError:  # glm5_policy parses (json.loads) and quotes (repr) recursively
+        raise PolicyError(
+            ["additional_config['policy']: nested too deeply to be a policy table "
+             "(stage -> choice, or stage -> {token range: choice})"]
+        ) from None  # fmt: skip
