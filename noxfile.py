@@ -72,13 +72,13 @@ def demo(session: nox.Session) -> None:
 @nox.session(venv_backend="none", default=False)
 def bench(session: nox.Session) -> None:
     """GPU benchmarks on the machine's own CUDA torch; results land in benchmarks/results/.
-    `nox -s bench -- skinny_gemm` runs one of them (reference_decode, skinny_gemm, decode;
+    `nox -s bench -- skinny_gemm` runs one of them (skinny_gemm, decode;
     default: all)."""
     if shutil.which("nvidia-smi") is None:
         session.skip("no NVIDIA GPU on this machine")
     env = {"PYTHONPATH": ":".join(f"packages/{p}/src" for p in PACKAGES)}
     results = "benchmarks/results"
-    for name in session.posargs or ["reference_decode", "skinny_gemm", "decode"]:
+    for name in session.posargs or ["skinny_gemm", "decode"]:
         if name != "decode":
             out = f"{results}/{name}_h200.json"
             session.run("python", f"benchmarks/{name}.py", "--out", out, env=env)
@@ -86,7 +86,7 @@ def bench(session: nox.Session) -> None:
         for tp in (4, 8):  # stock vs specialized decode steps, one rank's weights
             out = f"{results}/decode_h200_tp{tp}.json"
             cli = ["python", "-m", "glm5_runtime.cli", "bench", "--out", out]
-            session.run(*cli, "--geometry", f"flash-tp{tp}-rank", "--iters", "5", env=env)
+            session.run(*cli, "--geometry", f"flash-tp{tp}-rank", "--iters", "10", env=env)
 
 
 @nox.session(python="3.11")
