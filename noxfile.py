@@ -15,6 +15,7 @@ nox.options.reuse_existing_virtualenvs = True
 # In dependency order: pip resolves the exact sibling pins from these paths.
 PACKAGES = ["glm5-policy", "glm5-kernels", "glm5-comm", "glm5-runtime"]
 CPU_TORCH = "torch==2.13.0"
+CPU_PINS = ["-c", "constraints/tests.txt"]  # what torch, transformers and the runners leave open
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "transformers==5.17.0", "triton==3.9.0"]
 
 
@@ -26,7 +27,7 @@ def _install(session: nox.Session, *packages: str) -> None:
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
     """CPU suite: everything not marked gpu, multi_gpu or vllm."""
-    session.install(CPU_TORCH, *TEST_DEPS)
+    session.install(*CPU_PINS, CPU_TORCH, *TEST_DEPS)
     _install(session, *PACKAGES)
     session.run(
         "pytest",
@@ -64,7 +65,7 @@ def gpu_tests(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The main job: the reference backbone serving prompts with MTP drafting (CPU, tiny);
     pass options after --, e.g. `nox -s demo -- --device cuda --geometry flash-tp4-rank`."""
-    session.install(CPU_TORCH)
+    session.install(*CPU_PINS, CPU_TORCH)
     _install(session, *PACKAGES)
     session.run("glm5-decode", "demo", *session.posargs)
 
