@@ -42,12 +42,23 @@ def _decoder(model, policy=ALL_STAGES, q=Q, sizes=SIZES):
     return decode
 
 
-def _smooth():
-    """Tiny at whole FP8 blocks (hidden 128), every expert routed, every pool selected."""
+def _small(**changes):
+    """Tiny at whole FP8 blocks (hidden 128), in four layers that hold every stage and layer
+    kind: KDA before and after MLA, the first MLA layer's indexer full and the next one's
+    shared, a dense MLP and MoE. Each planned step runs the Triton interpreter through every
+    layer, so layers beyond these would repeat the same kernels."""
     return geometry(
-        "tiny", hidden_size=128, moe_intermediate_size=128, num_experts_per_tok=16,
-        index_topk=64,
+        "tiny", hidden_size=128, moe_intermediate_size=128, num_hidden_layers=4,
+        layer_types=("linear_attention",) + ("deepseek_sparse_attention",) * 2
+        + ("linear_attention",),
+        mlp_layer_types=("dense", "sparse", "sparse", "sparse"),
+        indexer_types=("full", "full", "shared", "full"), **changes,
     )  # fmt: skip
+
+
+def _smooth():
+    """`_small` with every expert routed and every pool selected."""
+    return _small(num_experts_per_tok=16, index_topk=64)
 
 
 @pytest.mark.parametrize("q", [2, 5])
@@ -76,8 +87,11 @@ def test_planned_steps_equal_stock(q):
     for m in (stock, spec, fp32):
         m.forward(requests, prompt)  # prefill: stock on every side
     worst, noise, calls = 0.0, 0.0, {}
-    for i in range(6):
-        verify = i % 2 == 1  # decodes (q requests x 1 token) and verifies (q x q tokens)
+    # A decode (q requests x 1 token) then a verify (q x q), twice. The verifies keep 1 token,
+    # then 2 (all of q = 2's, part of q = 5's): KDA resumes from its first, last or a middle
+    # state slot.
+    for i in range(4):
+        verify = i % 2 == 1
         t = q if verify else 1
         tokens = torch.randint(0, g.vocab_size, (q, t), generator=gen)
         h_stock = stock.forward(requests, tokens, verify=verify)
@@ -106,7 +120,7 @@ def test_planned_steps_equal_stock(q):
 
 
 def test_unplanned_steps_run_stock():
-    g = geometry("tiny", hidden_size=128, moe_intermediate_size=128)
+    g = _small()
     model = _model(g)
     decode = _decoder(model)
     r = model.add()
@@ -149,7 +163,7 @@ def test_stage_that_cannot_compile_warns_once_and_runs_stock(caplog, monkeypatch
     def broken(self, tokens):
         raise RuntimeError("ptxas: out of registers")
 
-    model = _model(geometry("tiny", hidden_size=128, moe_intermediate_size=128))
+    model = _model(_small())
     config = DecodeConfig.build(max_context=64, q=Q, capture_sizes=SIZES, policy=ALL_STAGES)
     decode = SpecializedDecode(ReferenceBackbone(model), config)
     monkeypatch.setattr(Router, "prepare", broken)
@@ -210,10 +224,10 @@ def test_planned_step_from_input_embeddings():
     gen = torch.Generator().manual_seed(6)
     prompt = torch.randint(0, g.vocab_size, (Q, 5), generator=gen)
     tokens = torch.randint(0, g.vocab_size, (Q, Q), generator=gen)
+    model = _model(g, requests=2 * Q)
+    decode = _decoder(model)
     out = []
-    for use_embeds in (False, True):  # two identical models: a step writes its caches
-        model = _model(g, requests=Q)
-        decode = _decoder(model)
+    for use_embeds in (False, True):  # two groups of Q requests, alike: a step writes caches
         requests = [model.add() for _ in range(Q)]
         model.forward(requests, prompt)
         step = model.step(requests, Q, verify=True)

@@ -1,7 +1,7 @@
 """The routing decision: `plan` never plans a step `is_decode` would reject, plans every step
-that satisfies all its conditions (12,000 generated row-count / capture-state combinations),
-runs every case the seed lists stock, and is a pure function of its inputs (so every TP rank
-decides alike)."""
+that satisfies all its conditions (4,000 generated row-count / capture-state combinations,
+drawn mostly near the boundary between planned and stock), runs every case the seed lists
+stock, and is a pure function of its inputs (so every TP rank decides alike)."""
 
 import logging
 
@@ -51,12 +51,22 @@ def uniform_rows(draw, b: int, q: int):
     return Rows(decodes=r, decode_tokens=b, indexer=True)
 
 
+def mostly(n: int):
+    """True in all but one of n equally weighted choices."""
+    return st.sampled_from([True] * (n - 1) + [False])
+
+
 @st.composite
 def contexts(draw):
-    q = draw(st.integers(1, 8))
+    """A step and the decoder's q. Each of plan's conditions holds in most draws, so planned
+    steps and steps that miss exactly one condition (the boundary) are common: of 4,000
+    draws about 300 plan at q = 1, 130 at q > 1 and 950 miss one condition, where 12,000
+    draws of fair coins planned 90 and 17 and missed one condition 880 times."""
     b = draw(st.sampled_from([*BATCHES, 3, 5, 7, 65, 80]))
+    divides = [q for q in range(1, 9) if b % q == 0]
+    q = draw(st.sampled_from(divides) if draw(mostly(4)) else st.integers(1, 8))
     n = draw(st.integers(0, 4))
-    if b % q == 0 and draw(st.booleans()):
+    if b % q == 0 and draw(mostly(4)):
         layer_rows = [draw(uniform_rows(b, q)) for _ in range(n)]
         if layer_rows and draw(st.booleans()):  # one layer spoiled
             layer_rows[draw(st.integers(0, n - 1))] = draw(rows(b))
@@ -64,16 +74,16 @@ def contexts(draw):
         layer_rows = [draw(rows()) for _ in range(n)]
     context = StepContext(
         tokens=b,
-        capturing=draw(st.booleans()),
-        graph=draw(st.sampled_from(["FULL", "FULL", "PIECEWISE", "NONE"])),
-        pipeline_input=draw(st.booleans()) and draw(st.booleans()),
-        aux_layers=draw(st.sampled_from([(), (), (), (2, 20)])),
+        capturing=draw(mostly(4)),
+        graph=draw(st.sampled_from(["FULL"] * 6 + ["PIECEWISE", "NONE"])),
+        pipeline_input=not draw(mostly(8)),
+        aux_layers=draw(st.sampled_from([()] * 7 + [(2, 20)])),
         rows={f"layers.{i}": r for i, r in enumerate(layer_rows)},
     )
     return context, q
 
 
-@settings(max_examples=12_000, deadline=None)
+@settings(max_examples=4_000, deadline=None)
 @given(contexts())
 def test_plan_is_sound_and_complete(case):
     context, q = case
