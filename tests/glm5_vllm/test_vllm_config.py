@@ -342,4 +342,3 @@ def test_every_spelling_of_the_sparse_mla_fp8_cache_is_supported(vllm_config, dt
     first = specialized_decode_config(config, H200)
     config.cache_config.cache_dtype = canonical(FlashMLASparseBackend, dtype)  # as MLA layers do
     assert unsupported(config, H200) == [] and specialized_decode_config(config, H200) == first
-    assert deployment(config, H200).kv_cache_dtype == "fp8"

@@ -13,7 +13,7 @@ import difflib
 import logging
 from typing import Any
 
-from glm5_policy import DecodeConfig, PolicyError, family_of
+from glm5_policy import DecodeConfig, family_of
 from glm5_runtime.checks import Deployment, DeploymentError
 from glm5_runtime.checks import unsupported as runtime_unsupported
 
@@ -83,7 +83,7 @@ def deployment(vllm_config: Any, capability: tuple[int, int] | None = None) -> D
         sleep_mode=bool(model.enable_sleep_mode),
         torch_compile=compilation.mode == CompilationMode.STOCK_TORCH_COMPILE,
         full_decode_graphs=graphs is not None and graphs.decode_mode() == CUDAGraphMode.FULL,
-        kv_cache_dtype=_kv_cache_dtype(cache.cache_dtype),
+        kv_cache_dtype=str(cache.cache_dtype),  # fp8_ds_mla: vLLM 0.33's rename of fp8
         speculative_method=None if spec is None else spec.method,
         speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
         kda_state_dtypes=MambaStateDtypeCalculator.kda_state_dtype(
@@ -92,16 +92,6 @@ def deployment(vllm_config: Any, capability: tuple[int, int] | None = None) -> D
         ssm_replay=bool(cache.use_replayssm or cache.use_kda_recoverssm),
         mhc=bool(getattr(text, "mhc", False)),
     )
-
-
-def _kv_cache_dtype(dtype: Any) -> str:
-    """`fp8_ds_mla` is vLLM 0.33's name for the sparse-MLA FP8 cache that `fp8` asks for:
-    building an MLA layer on FlashMLA-sparse rewrites the shared cache_config's "fp8" (or
-    "fp8_e4m3") to "fp8_ds_mla" (`_canonicalize_sparse_mla_kv_cache_dtype`), so a model
-    built later in the process (the MTP drafter) reads "fp8_ds_mla" where the target read
-    "fp8". The stages never read the KV cache (vLLM's attention does): both are FP8."""
-    dtype = str(dtype)
-    return "fp8" if dtype == "fp8_ds_mla" else dtype
 
 
 def unsupported(vllm_config: Any, capability: tuple[int, int] | None = None) -> list[str]:
@@ -153,16 +143,10 @@ def specialized_decode_config(
         raise DeploymentError(reasons)
     spec = vllm_config.speculative_config
     c = _capability(capability)
-    try:
-        return DecodeConfig.build(
-            max_context=vllm_config.model_config.max_model_len,
-            q=1 + (spec.num_speculative_tokens if spec is not None else 0),
-            capture_sizes=tuple(vllm_config.compilation_config.cudagraph_capture_sizes or ()),
-            policy=extra.get("policy"),
-            family=family_of(c),
-        )
-    except RecursionError:  # glm5_policy parses (json.loads) and quotes (repr) recursively
-        raise PolicyError(
-            ["additional_config['policy']: nested too deeply to be a policy table "
-             "(stage -> choice, or stage -> {token range: choice})"]
-        ) from None  # fmt: skip
+    return DecodeConfig.build(
+        max_context=vllm_config.model_config.max_model_len,
+        q=1 + (spec.num_speculative_tokens if spec is not None else 0),
+        capture_sizes=tuple(vllm_config.compilation_config.cudagraph_capture_sizes or ()),
+        policy=extra.get("policy"),
+        family=family_of(c),
+    )
