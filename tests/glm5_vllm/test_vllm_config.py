@@ -331,7 +331,7 @@ def test_every_spelling_of_the_sparse_mla_fp8_cache_is_supported(vllm_config, dt
     )
     from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
 
-    from glm5_vllm.config import deployment, specialized_decode_config, unsupported
+    from glm5_vllm.config import specialized_decode_config, unsupported
 
     assert canonical(FlashMLASparseBackend, dtype) == "fp8_ds_mla"
     cache = CacheConfig(cache_dtype=dtype, enable_prefix_caching=False)
