@@ -128,6 +128,21 @@ def tiny_config(folder, additional_config=None, draft=False):
     )
 
 
+def process(model, vllm_config):
+    """What vLLM 0.33's loader does after `load_weights` (base_loader.py): its own
+    `process_weights_after_loading` — every module's quant method (CPU linears pick their GEMM
+    here), the attention layers, then the model-level hook, where the plugin binds. The CPU
+    experts' weight prepack is skipped: it needs vLLM's CPU build (`vllm._C`), absent from the
+    CUDA wheel, and nothing here runs the routed experts."""
+    from unittest import mock
+
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    with mock.patch.object(CPUUnquantizedExperts, "process_weights_after_loading"):
+        process_weights_after_loading(model, vllm_config.model_config, torch.device("cpu"))
+
+
 def build(folder, additional_config=None, draft=False):
     """(vLLM model, VllmConfig, reference model over the FP8 checkpoint, the HF-named FP32
     state dict vLLM loaded). `draft`: the checkpoint gains an MTP layer and the model is
@@ -136,7 +151,6 @@ def build(folder, additional_config=None, draft=False):
     cpu_platform()
     from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state
-    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
     from glm5_vllm.models import Glm5NextForCausalLM, Glm5NextMTP
 
@@ -165,12 +179,7 @@ def build(folder, additional_config=None, draft=False):
         model.load_weights(iter(checkpoint(sd).items()))
         if draft:  # vLLM's proposer shares the target's embedding with the drafter
             model.model.embed_tokens.weight.data.copy_(sd["embed_tokens.weight"])
-        # What vLLM's loader does next for the linears and embeddings (CPU linears pick
-        # their GEMM here); the fused-MoE CPU method's needs vLLM's CPU build (not run).
-        for module in model.modules():
-            method = getattr(module, "quant_method", None)
-            if method is not None and not isinstance(method, FusedMoEMethodBase):
-                method.process_weights_after_loading(module)
+        process(model, vllm_config)
     reference = ReferenceModel.from_state_dict(
         g, fp8, max_requests=2, max_context=64, block_size=16
     )

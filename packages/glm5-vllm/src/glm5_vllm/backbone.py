@@ -8,7 +8,9 @@ reduced and `reduce` is the identity until a fused boundary switches a module's 
 Weights are read by their HF names, as views of vLLM's parameters (never copies, never
 modified): the fused projections (`fused_qkv_a_proj` = q_a | kv_a, `in_proj_qkvbfg_a` =
 q | k | v | b | f_a | g_a, `gate_up_proj` = gate | up) are sliced at this rank's partition
-sizes, FP8 block scales by whole 128-row blocks.
+sizes, FP8 block scales by whole 128-row blocks. A linear's weights are read only in a layout
+`layouts.linear_layout` identifies as served; any other is None (the stage leaves that
+module to vLLM) and is recorded in `refused` for one warning per layout.
 
 A route makes a module's forward run a stage op (an instance attribute that shadows the
 class's forward; removing it restores vLLM's): a whole linear (all-reduced when the module
@@ -28,6 +30,8 @@ from torch import Tensor, nn
 
 from glm5_runtime.plan import Rows, StepContext
 from glm5_runtime.protocol import Layer
+
+from .layouts import Layout, linear_layout
 
 __all__ = ["VllmBackbone", "VllmDraftBackbone", "VllmStep"]
 
@@ -79,6 +83,8 @@ class VllmBackbone:
         self.aux_layers, self.layers, self.draft_layers = self._layer_lists()
         self._hc = config.hc_mult
         self._routes: dict[nn.Module, dict[int | None, Any]] = {}
+        # Layouts no stage reads -> the modules (vLLM names) whose weights were asked for.
+        self.refused: dict[Layout, list[str]] = {}
 
     def _layer_lists(self) -> tuple[tuple[int, ...], tuple[Layer, ...], tuple[Layer, ...]]:
         """(aux hidden-state layers, decoder layers, draft layers): the target model's
@@ -118,6 +124,11 @@ class VllmBackbone:
         tensor = getattr(module, leaf, None)
         if not isinstance(tensor, Tensor):
             return None
+        if leaf in ("weight", "weight_scale_inv") and _is_linear(module):
+            layout = linear_layout(module)
+            if not layout.served:
+                self._refuse(layout, module)
+                return None
         tensor = tensor.data
         if part is None:
             return tensor
@@ -127,6 +138,20 @@ class VllmBackbone:
                 return None
             return tensor[start // BLOCK : -(-end // BLOCK)]
         return tensor[start:end]
+
+    def _refuse(self, layout: Layout, module: nn.Module) -> None:
+        names = self.refused.setdefault(layout, [])
+        name = next((n for n, m in self.model.named_modules() if m is module), repr(module))
+        if name not in names:
+            names.append(name)
+
+    def warn_refused(self, logger) -> None:
+        """One warning per refused layout, naming its backend and modules."""
+        for layout, names in self.refused.items():
+            logger.warning(
+                "GLM-5.3-Flash specialized decode: %s is a layout no stage reads; vLLM's own "
+                "op runs for %s", layout, ", ".join(names),
+            )  # fmt: skip
 
     # The step.
     def tokens(self, placement: VllmStep) -> int:
@@ -313,6 +338,15 @@ def _routed_forward(module: nn.Module, ops: dict[int | None, Any]):
         return finish(torch.cat(parts, dim=-1))
 
     return fused
+
+
+def _is_linear(module: nn.Module) -> bool:
+    """A linear (vLLM's, the MTP's nn.Linear) or the LM head: weights a stage reads as GEMM
+    operands, so only in an identified layout."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    return isinstance(module, (LinearBase, nn.Linear, VocabParallelEmbedding))
 
 
 def _bounds(module: nn.Module, part: int) -> tuple[int, int]:

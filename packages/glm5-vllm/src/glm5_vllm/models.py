@@ -3,11 +3,12 @@ deployment's specialized-decode settings when they are built and otherwise behav
 as vLLM's own (same modules, weights and forward).
 
 With `decode_backend: latency_specialized` on a supported deployment, Glm5NextForCausalLM
-binds glm5-runtime's SpecializedDecode to its own modules once its weights are loaded
-(`VllmBackbone`), compiles the stage kernels on the first forward outside a capture (vLLM's
-profile run, before any CUDA graph), and then every forward asks the plan: a planned step
-(a FULL-graph capture of a uniform decode or verify) runs the specialized layer loop, every
-other step vLLM's forward; compute_logits takes the skinny LM head where the policy picks it.
+binds glm5-runtime's SpecializedDecode to its own modules once vLLM has loaded and processed
+its weights (`VllmBackbone`, each weight's layout identified by `layouts`), compiles the
+stage kernels on the first forward outside a capture (vLLM's profile run, before any CUDA
+graph), and then every forward asks the plan: a planned step (a FULL-graph capture of a
+uniform decode or verify) runs the specialized layer loop, every other step vLLM's forward;
+compute_logits takes the skinny LM head where the policy picks it.
 Glm5NextForConditionalGeneration runs its language model's hooks with the input
 embeddings it computed; Glm5NextMTP binds SpecializedDraft to its MTP layers the same way."""
 
@@ -33,18 +34,26 @@ class _Configured:
         # Before the modules are built: a requested but unsupported deployment fails here,
         # with every reason, instead of after loading weights.
         self.glm5_decode = specialized_decode_config(vllm_config)
-        self.glm5_specialized = None  # bound when the weights load
+        self.glm5_specialized = None  # bound once vLLM has processed the loaded weights
         self._glm5_prepared = False
 
 
 class _Binds(_Configured):
     _draft = False  # binds SpecializedDraft (the MTP drafter) instead of SpecializedDecode
 
-    def load_weights(self, weights):
-        loaded = super().load_weights(weights)
+    def process_weights_after_loading(self) -> None:
+        """vLLM 0.33's loader calls this model-level hook last (model_loader/utils.py), after
+        `load_weights` and after every module's quant method and attention layer rewrote
+        its weights for the kernels that run them (UE8M0 re-quantization, DeepGEMM's packed
+        scales, FlashInfer's expert shuffles, MLA's W_UK_T / W_UV): the stages read the
+        tensors vLLM runs, never ones processing replaces. Called again (a weight reload),
+        it binds again."""
+        hook = getattr(super(), "process_weights_after_loading", None)
+        if hook is not None:
+            hook()
         if self.glm5_decode is not None:
             self.glm5_specialized = _bind(self, self.glm5_decode, draft=self._draft)
-        return loaded
+            self._glm5_prepared = False
 
 
 class Glm5NextForCausalLM(_Binds, _CausalLM):
@@ -96,7 +105,11 @@ def _bind(model, config, draft: bool = False):
             from glm5_runtime.decode import SpecializedDecode as Specialized
 
             backbone = VllmBackbone
-        return Specialized(backbone(model), config)
+        adapter = backbone(model)
+        try:
+            return Specialized(adapter, config)
+        finally:
+            adapter.warn_refused(logger)
     except Exception as e:  # a missing kernel toolchain, an unexpected module layout
         logger.warning(
             "GLM-5.3-Flash specialized %s not bound (%s: %s); vLLM's stock forward runs",
@@ -107,13 +120,24 @@ def _bind(model, config, draft: bool = False):
 
 class Glm5NextForConditionalGeneration(_Configured, _ConditionalGeneration):
     """vLLM builds the language model through its registry, so it is the plugin's
-    Glm5NextForCausalLM, which binds itself when its weights load (vLLM's weight loader calls
-    it). vLLM's wrapper calls the language model's inner `model` directly; this one calls
-    its forward, so the hooks see the step (with the wrapper's input embeddings)."""
+    Glm5NextForCausalLM, which binds itself once its weights are processed (this wrapper's
+    post-load hook calls its own). vLLM's wrapper calls the language model's inner `model`
+    directly; this one calls its forward, so the hooks see the step (with the wrapper's
+    input embeddings)."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         self._configure(vllm_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
+
+    def process_weights_after_loading(self) -> None:
+        """vLLM calls the model-level hook on the model it loaded (this wrapper) only: the
+        language model binds from here, after its weights were processed."""
+        hook = getattr(super(), "process_weights_after_loading", None)
+        if hook is not None:
+            hook()
+        hook = getattr(self.language_model, "process_weights_after_loading", None)
+        if hook is not None:
+            hook()
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kw):
         language = self.language_model
@@ -126,9 +150,9 @@ class Glm5NextForConditionalGeneration(_Configured, _ConditionalGeneration):
 
 class Glm5NextMTP(_Binds, _MTP):
     """The MTP drafter: SpecializedDraft over its own layers (`VllmDraftBackbone`), bound
-    when its weights load; FULL-graph captures of draft decodes (one token per request) and
-    uniform draft prefills (q per request) run planned, with every row carried on (vLLM's
-    proposer samples rows of its choosing from the [N, D] output)."""
+    once its weights are processed; FULL-graph captures of draft decodes (one token per
+    request) and uniform draft prefills (q per request) run planned, with every row carried
+    on (vLLM's proposer samples rows of its choosing from the [N, D] output)."""
 
     _draft = True
 
