@@ -1,7 +1,7 @@
 """Which layout a vLLM module's weights are in once vLLM has processed them, and whether a
 stage reads it.
 
-vLLM 0.33 rewrites weights after loading for the kernel it picked (VLLM_NOTES.md): block-FP8
+vLLM 0.33 rewrites weights after loading for the kernel it picked: block-FP8
 linears are re-quantized in place to power-of-two (UE8M0) scales, and on SM100 their scales
 become DeepGEMM's packed int32 words; FlashInfer's experts swap w13 to [up; gate] (same shape
 as [gate; up]) and TRT-LLM's shuffle it into blocks. So a layout is identified from the
