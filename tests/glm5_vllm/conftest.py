@@ -24,6 +24,23 @@ def vllm_cpu_platform():
     vllm.platforms._current_platform = previous
 
 
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def cpu_linears(monkeypatch_module):
+    """vLLM's CPU linears use its CPU build's kernels (AMX / oneDNN, absent from the CUDA
+    wheel); these switches send them down vLLM's own torch fallback (F.linear), for the
+    module's tests that build a model."""
+    import vllm.model_executor.layers.utils as layer_utils
+
+    monkeypatch_module.setattr(layer_utils, "check_cpu_sgl_kernel", lambda *a: False)
+    monkeypatch_module.setattr(layer_utils.ops, "_supports_onednn", False, raising=False)
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     """A folder holding the tiny geometry's config.json, as a checkpoint's (with "mhc")."""

@@ -18,22 +18,10 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory, monkeypatch_module):
-    import vllm.model_executor.layers.utils as layer_utils
-
-    # vLLM's CPU linears use its CPU build's kernels (AMX / oneDNN, absent from the CUDA
-    # wheel); these switches send them down vLLM's own torch fallback (F.linear).
-    monkeypatch_module.setattr(layer_utils, "check_cpu_sgl_kernel", lambda *a: False)
-    monkeypatch_module.setattr(layer_utils.ops, "_supports_onednn", False, raising=False)
+def built(tmp_path_factory, cpu_linears):
     from tiny_model import build
 
     return build(tmp_path_factory.mktemp("glm5-vllm-tiny"))  # on conftest's CPU platform
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as m:
-        yield m
 
 
 def _rel(a, b):

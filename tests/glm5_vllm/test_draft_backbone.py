@@ -11,18 +11,7 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as m:
-        yield m
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory, monkeypatch_module):
-    import vllm.model_executor.layers.utils as layer_utils
-
-    # As in test_backbone.py: vLLM's own torch fallback for CPU linears.
-    monkeypatch_module.setattr(layer_utils, "check_cpu_sgl_kernel", lambda *a: False)
-    monkeypatch_module.setattr(layer_utils.ops, "_supports_onednn", False, raising=False)
+def built(tmp_path_factory, cpu_linears):
     from tiny_model import build
 
     return build(tmp_path_factory.mktemp("glm5-vllm-mtp"), draft=True)  # on conftest's CPU platform

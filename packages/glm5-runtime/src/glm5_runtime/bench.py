@@ -32,10 +32,10 @@ from .library import LibraryStock
 from .reference import ReferenceModel, geometry
 from .reference.backbone import ReferenceBackbone
 from .reference.stages import _pages
+from .stage_timer import STAGES
 
 __all__ = ["StageMarks", "floor_bytes", "graph_nodes", "plot", "run", "table"]
 
-STAGES = ("embed", "kda", "mla", "dense_mlp", "moe", "head")
 BETWEEN = "mhc, norms, reduce"  # what runs between the stages: hc pre / post, norms, the sums
 
 

@@ -384,26 +384,23 @@ def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     b.add_argument("--commit", help="the code's commit, where the tree's git lacks it")
     b.set_defaults(run=bench)
 
-    p = sub.add_parser(
-        "plot",
-        help="plot bench results JSON files into one PNG",
-        description="Stock, specialized and floor ms per token count, one panel per results "
-        "file. Needs matplotlib.",
-        formatter_class=formatter,
-    )
-    p.add_argument("results", nargs="+", type=_results, help="`glm5-decode bench --out` files")
-    p.add_argument("--out", required=True, type=_new_file, help="the PNG to write")
-    p.set_defaults(run=plot_files)
+    def results_command(name: str, run, help: str, description: str):
+        c = sub.add_parser(name, help=help, description=description, formatter_class=formatter)
+        c.add_argument("results", nargs="+", type=_results, help="`glm5-decode bench --out` files")
+        c.set_defaults(run=run)
+        return c
 
-    t = sub.add_parser(
-        "table",
-        help="print bench results JSON files as markdown tables",
-        description="Each step's time per side, kernels per step and ratios, then the stage "
-        "split: the runtime README's tables, straight from the results files.",
-        formatter_class=formatter,
-    )
-    t.add_argument("results", nargs="+", type=_results, help="`glm5-decode bench --out` files")
-    t.set_defaults(run=table_files)
+    p = results_command(
+        "plot", plot_files, "plot bench results JSON files into one PNG",
+        "Stock, specialized and floor ms per token count, one panel per results file. Needs "
+        "matplotlib.",
+    )  # fmt: skip
+    p.add_argument("--out", required=True, type=_new_file, help="the PNG to write")
+    results_command(
+        "table", table_files, "print bench results JSON files as markdown tables",
+        "Each step's time per side, kernels per step and ratios, then the stage split: the "
+        "runtime README's tables, straight from the results files.",
+    )  # fmt: skip
     return top, sub.choices
 
 

@@ -1,6 +1,6 @@
-"""Wall time per stage of the reference backbone (`glm5-decode demo` and `bench`'s eager
-breakdown): each rank's stage methods wrapped in place, CUDA synchronized around each call
-so stages don't overlap."""
+"""Wall time per stage of the reference backbone (`glm5-decode demo`'s breakdown): each
+rank's stage methods (`STAGES`, which `bench.StageMarks` marks too) wrapped in place, CUDA
+synchronized around each call so stages don't overlap."""
 
 from __future__ import annotations
 

@@ -21,7 +21,6 @@ from glm5_kernels.gemm.reference import GROUP, fp8_linear_ref, quantize_tokens_f
 __all__ = [
     "block_fp8_supported",
     "fp8_linear_library",
-    "probe_failures",
     "router_library",
     "scaled_mm_block",
     "supports",
@@ -83,11 +82,6 @@ def _probe(device: torch.device) -> tuple[str, object] | None:
 def _key(device: torch.device | str) -> torch.device:
     device = torch.device(device)
     return torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
-
-
-def probe_failures(device: torch.device | str) -> list[str]:
-    """Why each scale layout failed on `device` (after `block_fp8_supported` said None)."""
-    return _why.get(_key(device), [])
 
 
 def block_fp8_supported(device: torch.device | str) -> str | None:
