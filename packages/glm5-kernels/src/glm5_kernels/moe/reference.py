@@ -18,7 +18,7 @@ from torch import Tensor
 
 from glm5_kernels.quant.reference import dequantize_fp8_block_ref
 
-__all__ = ["dense_mlp_ref", "experts_ref", "route_ref", "swiglu_ref"]
+__all__ = ["dense_mlp_ref", "experts_ref", "moe_output_ref", "moe_rows_ref", "route_ref", "swiglu_ref"]
 
 
 def route_ref(
@@ -85,3 +85,43 @@ def experts_ref(
         y = swiglu_ref(xf[tok] @ w13_e.T, limit) @ w2_e.T
         out.index_add_(0, tok, y * weights[tok, slot, None].float())
     return out
+
+
+def moe_rows_ref(
+    x: Tensor,
+    ids: Tensor,
+    w13: Tensor,
+    w13_scale: Tensor,
+    w2: Tensor,
+    w2_scale: Tensor,
+    shared: tuple[Tensor, Tensor, Tensor, Tensor],
+    limit: float,
+    ue8m0: bool = False,
+) -> Tensor:
+    """The decode stage's per-route rows with vLLM's block-FP8 numerics (tokens quantized per
+    1x128 group, the gate_up output in BF16, SwiGLU stored in BF16 and quantized again), the
+    down product exact (FP64): x [M, D] BF16, ids [M, k] -> rows [M, 1 + k, D] FP64, the shared
+    expert's row first; a route whose id is outside [0, E) gets a zero row."""
+    from glm5_kernels.gemm.reference import fp8_linear_ref  # it imports this module
+
+    def expert(xs: Tensor, a13, s13, a2, s2) -> Tensor:
+        h = fp8_linear_ref(xs, a13, s13, ue8m0)
+        act = swiglu_ref(h, limit).to(torch.bfloat16)
+        return fp8_linear_ref(act, a2, s2, ue8m0, out_dtype=torch.float64)
+
+    m, k = ids.shape
+    rows = torch.zeros(m, 1 + k, x.shape[1], dtype=torch.float64, device=x.device)
+    rows[:, 0] = expert(x, *shared)
+    for e in ids.unique().tolist():
+        if 0 <= e < w13.shape[0]:
+            tok, slot = torch.where(ids == e)
+            rows[tok, 1 + slot] = expert(x[tok], w13[e], w13_scale[e], w2[e], w2_scale[e])
+    return rows
+
+
+def moe_output_ref(rows: Tensor, weights: Tensor) -> Tensor:
+    """rows [M, 1 + k, D] (shared first), weights [M, k] -> BF16(Σ w·route) + BF16(shared)."""
+    routed = (rows[:, 1:] * weights.double()[..., None]).sum(1)
+    return (routed.to(torch.bfloat16).double() + rows[:, 0].to(torch.bfloat16).double()).to(
+        torch.bfloat16
+    )

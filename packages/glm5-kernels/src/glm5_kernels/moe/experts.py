@@ -1,0 +1,343 @@
+"""The MoE stage of decode: routing and the routed + shared experts of M <= 64 tokens in three
+launches after the router GEMM (`MoeLayer`: four in all), reading each touched expert's FP8
+weights once per group of tokens.
+
+Two ways to cut the work, the policy's `moe` choices:
+  * `MegaExperts` (`per_route`): one group per touched expert holding all of its tokens, so
+    every expert's weights are read exactly once per step;
+  * `GroupedExperts` (`grouped`): groups of at most 16 tokens: smaller MMA tiles (more
+    pipeline stages per SM) for the price of reading a hot expert's weights once per 16.
+Both run the shared expert as one more expert of the same launches, and return the routes
+unfinalized (`MoeRows`: what a fused boundary weights and sums), or finalized by the down
+kernel's last CTA per column tile (`finalized`).
+
+Numerics are vLLM's block-FP8 sequence per route (tokens quantized in 1x128 groups, the
+gate_up output in BF16, clamped SwiGLU in FP32 stored in BF16, quantized again, FP32 down
+rows), and the stock sum: BF16(Σ weight·row) + BF16(shared row).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from glm5_kernels.gemm.linear import MAX_TOKENS, Router, _first_call, _interpreting, _pdl, _sms
+
+__all__ = ["GroupedExperts", "MegaExperts", "MoeLayer", "MoeRows", "MAX_TOP_K"]
+
+MAX_TOP_K = 16  # the routing kernel's compiled bound on routes per token
+GROUP = 128
+
+
+@dataclass(frozen=True)
+class MoeRows:
+    """The MoE output before the weighted sum, for a consumer that fuses it (a boundary).
+
+    rows [M + M·k, D] FP32: rows 0..M-1 are the shared expert's output for tokens 0..M-1;
+    then one unweighted row per (token, route), grouped by expert. route_row [M, k] int32:
+    the row of each token's route j (-1: an id outside [0, E), which contributes nothing).
+    weights [M, k] FP32: the route weights (renormalized, × routed_scaling). ids [M, k]
+    int32: the experts."""
+
+    rows: Tensor
+    route_row: Tensor
+    weights: Tensor
+    ids: Tensor
+
+    def finalize(self) -> Tensor:
+        """[M, D] BF16: BF16(Σ_j weights[:, j] · rows[route_row[:, j]]) + BF16(shared rows),
+        the routes summed in order j = 0..k-1 (as the fused finalization does)."""
+        m = self.route_row.shape[0]
+        routed = torch.zeros(m, self.rows.shape[1], dtype=torch.float32, device=self.rows.device)
+        for j in range(self.route_row.shape[1]):
+            r = self.route_row[:, j].long()
+            y = self.rows[r.clamp(min=0)] * (r >= 0)[:, None]
+            routed += self.weights[:, j : j + 1] * y
+        return (routed.bfloat16().float() + self.rows[:m].bfloat16().float()).bfloat16()
+
+
+@dataclass(frozen=True)
+class _Plan:
+    chunk: int  # tokens per group at most
+    groups: int  # G: the grid's groups (an upper bound on those a routing can use)
+    bm: int  # token tile of the expert kernels
+    bn_gate_up: int
+    bn_down: int
+    blocks: int  # gate_up: 128-wide K blocks per pipelined step
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class MegaExperts:
+    """Routed experts of one MoE layer (this rank's shard) with its shared expert.
+
+    w13 [E, 2I, D] e4m3 (each expert's gate rows, then its up rows), w13_scale [E, 2I/128,
+    D/128]; w2 [E, D, I] e4m3, w2_scale [E, D/128, I/128]; scales FP32 or float8_e8m0fnu
+    (UE8M0). `shared`: the shared expert's (w13 [2I, D], w13_scale, w2 [D, I], w2_scale), the
+    same dtypes. `bias`: e_score_correction_bias [E]. `ue8m0`: activation scales rounded up
+    to powers of two (DeepGEMM's E8M0 mode). Weights are read in place, never copied.
+    """
+
+    chunk_tokens: int | None = None  # tokens per group (None: all of an expert's tokens)
+
+    def __init__(
+        self,
+        w13: Tensor,
+        w13_scale: Tensor,
+        w2: Tensor,
+        w2_scale: Tensor,
+        *,
+        bias: Tensor,
+        shared: tuple[Tensor, Tensor, Tensor, Tensor],
+        top_k: int,
+        routed_scaling: float,
+        swiglu_limit: float,
+        ue8m0: bool = False,
+        max_tokens: int = MAX_TOKENS,
+    ):
+        try:
+            import triton  # noqa: F401  (the kernels' backend: glm5-kernels[triton])
+        except ImportError as e:
+            raise ImportError(f"{type(self).__name__} needs Triton (glm5-kernels[triton])") from e
+        _check_weights(type(self).__name__, w13, w13_scale, w2, w2_scale, bias, shared, top_k,
+                       swiglu_limit, max_tokens)  # fmt: skip
+        self.w13, self.w2, self.bias = w13, w2, bias
+        self.num_experts, two_i, self.hidden = w13.shape
+        self.inter = two_i // 2
+        self.top_k, self.routed_scaling, self.limit = top_k, float(routed_scaling), swiglu_limit
+        self.ue8m0, self.max_tokens = ue8m0, max_tokens
+        e8m0 = w13_scale.dtype == torch.float8_e8m0fnu
+        self.scale_e8m0 = e8m0
+        raw = (lambda s: s.view(torch.uint8)) if e8m0 else (lambda s: s)
+        self.w13_scale, self.w2_scale = raw(w13_scale), raw(w2_scale)
+        sw13, ss13, sw2, ss2 = shared
+        # The shared expert's tensors as element offsets from the routed stacks' bases.
+        self.shared_offsets = tuple(
+            _offset(base, t) for base, t in
+            ((w13, sw13), (self.w13_scale, raw(ss13)), (w2, sw2), (self.w2_scale, raw(ss2)))
+        )  # fmt: skip
+        self._shared = shared  # kept alive: the kernels read it through the offsets
+        self._device = w13.device
+        sms = _sms(self._device)
+        self.plans = {m: self._plan(m, sms) for m in range(1, max_tokens + 1)}
+        self._counts = torch.zeros(-(-self.hidden // 16), dtype=torch.int32, device=self._device)
+        self._ready: set[int] = set()
+
+    def _plan(self, m: int, sms: int) -> _Plan:
+        k, e = self.top_k, self.num_experts
+        chunk = m if self.chunk_tokens is None else min(self.chunk_tokens, m)
+        # Groups: the shared expert's, one per touched expert, and the extra ones of experts
+        # holding more than `chunk` tokens (none when a chunk holds all M).
+        groups = -(-m // chunk) + min(e, m * k) + (m * k // chunk if chunk < m else 0)
+        typical = -(-m // chunk) + min(e, m * k)
+        bn = next((b for b in (64, 32) if self.inter % b == 0 and self.inter // b * typical
+                   >= sms), 16)  # fmt: skip
+        blocks = 2 if (self.hidden // GROUP) % 2 == 0 else 1
+        return _Plan(chunk, groups, max(16, _pow2(chunk)), bn, 64 if self.hidden % 64 == 0
+                     else 32 if self.hidden % 32 == 0 else 16, blocks)  # fmt: skip
+
+    def supports(self, m: int) -> bool:
+        return 1 <= m <= self.max_tokens
+
+    def prepare(self, tokens: Iterable[int]) -> None:
+        """Compile and run once per token count, both outputs (before CUDA-graph capture)."""
+        for m in tokens:
+            if not self.supports(m):
+                raise ValueError(f"{type(self).__name__}: M={m} outside 1..{self.max_tokens}")
+            x = torch.zeros(m, self.hidden, dtype=torch.bfloat16, device=self._device)
+            logits = torch.zeros(m, self.num_experts, dtype=torch.float32, device=self._device)
+            self(x, logits)
+            self.finalized(x, logits)
+
+    def __call__(self, x: Tensor, logits: Tensor) -> MoeRows:
+        """x [M, D] BF16, router logits [M, E] FP32 -> the unfinalized routes."""
+        m = self._check(x, logits=logits)
+        rows, _ = self._run(x, m, logits, None, None, finalize=False)
+        return rows
+
+    def finalized(self, x: Tensor, logits: Tensor, out: Tensor | None = None) -> Tensor:
+        """x [M, D] BF16, router logits [M, E] FP32 -> routed + shared output [M, D] BF16."""
+        m = self._check(x, logits=logits, out=out)
+        return self._run(x, m, logits, None, None, finalize=True, out=out)[1]
+
+    def routed(
+        self, x: Tensor, ids: Tensor, weights: Tensor, *, finalize: bool = False
+    ) -> MoeRows | Tensor:
+        """The same from a routing computed elsewhere: ids [M, k] int32, weights [M, k] FP32.
+        Outside CUDA-graph capture an id outside [0, E) is an error; inside (no host sync
+        there) it contributes nothing, like an expert-parallel sentinel id."""
+        m = self._check(x, ids=ids, weights=weights)
+        rows, out = self._run(x, m, None, ids, weights, finalize=finalize)
+        return out if finalize else rows
+
+    def _check(self, x: Tensor, *, logits=None, ids=None, weights=None, out=None) -> int:
+        name, problems = type(self).__name__, []
+        d, e, k = self.hidden, self.num_experts, self.top_k
+        if x.dim() != 2 or x.shape[1] != d or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
+            problems.append(f"x: {tuple(x.shape)} {x.dtype}, expected [M, {d}] bfloat16 with "
+                            "contiguous columns")  # fmt: skip
+        m = x.shape[0] if x.dim() == 2 else 0
+        if not self.supports(m):
+            problems.append(f"x: M={m} outside the compiled range 1..{self.max_tokens}")
+        if x.device != self._device:
+            problems.append(f"x: on {x.device}, weights on {self._device}")
+        if logits is not None and (logits.shape != (m, e) or logits.dtype != torch.float32
+                                   or logits.stride(-1) != 1):  # fmt: skip
+            problems.append(f"logits: {tuple(logits.shape)} {logits.dtype}, expected [{m}, {e}] "
+                            "float32 with contiguous columns")  # fmt: skip
+        if ids is not None:
+            if ids.shape != (m, k) or ids.dtype != torch.int32 or not ids.is_contiguous():
+                problems.append(f"ids: {tuple(ids.shape)} {ids.dtype}, expected contiguous "
+                                f"[{m}, {k}] int32 (top-k is {k})")  # fmt: skip
+            elif not _capturing() and ids.numel() and not ((ids >= 0) & (ids < e)).all():
+                bad = ids[(ids < 0) | (ids >= e)].unique().tolist()
+                problems.append(f"ids: expert ids {bad[:8]} outside [0, {e})")
+            if weights is None or weights.shape != (m, k) or weights.dtype != torch.float32 \
+                    or not weights.is_contiguous():  # fmt: skip
+                got = None if weights is None else (tuple(weights.shape), weights.dtype)
+                problems.append(f"weights: {got}, expected contiguous [{m}, {k}] float32")
+        if out is not None and (out.shape != (m, d) or out.dtype != torch.bfloat16
+                                or out.stride(-1) != 1):  # fmt: skip
+            problems.append(f"out: {tuple(out.shape)} {out.dtype}, expected [{m}, {d}] bfloat16")
+        if problems:
+            raise ValueError(f"{name}: " + "; ".join(problems))
+        _first_call(self, m)
+        return m
+
+    def _run(self, x, m, logits, ids, weights, *, finalize: bool, out=None):
+        from .triton_moe import down_kernel, gate_up_kernel, route_kernel
+
+        p, dev = self.plans[m], self._device
+        d, i, e, k = self.hidden, self.inter, self.num_experts, self.top_k
+        pdl, interp = _pdl(dev), _interpreting()
+        route = ids is None
+        rows_total = m + m * k
+        if route:
+            ids = torch.empty(m, k, dtype=torch.int32, device=dev)
+            weights = torch.empty(m, k, dtype=torch.float32, device=dev)
+        route_row = torch.empty(m, k, dtype=torch.int32, device=dev)
+        group = torch.empty(3, p.groups, dtype=torch.int32, device=dev)  # expert, row, count
+        row_token = torch.empty(rows_total, dtype=torch.int32, device=dev)
+        xq = torch.empty(m, d, dtype=torch.float8_e4m3fn, device=dev)
+        xs = torch.empty(m, d // GROUP, dtype=torch.float32, device=dev)
+        act = torch.empty(rows_total, i, dtype=torch.bfloat16, device=dev)
+        rows = torch.empty(rows_total, d, dtype=torch.float32, device=dev)
+        if finalize and out is None:
+            out = torch.empty(m, d, dtype=torch.bfloat16, device=dev)
+        bt = max(2, _pow2(m))
+        route_kernel[(1 + m,)](
+            logits if route else x, self.bias, ids, weights, route_row, group[0], group[1],
+            group[2], row_token, x, xq, xs, m, e, d, logits.stride(0) if route else 0,
+            x.stride(0), self.routed_scaling,
+            G=p.groups, CHUNK=p.chunk, TOP_K=k, KP=_pow2(k), BM=bt, BE=_pow2(e), ROUTE=route,
+            UE8M0=self.ue8m0, QUANT_GROUPS=8, INTERPRETER=interp, PDL=pdl,
+            num_warps=8 if m > 16 else 4, launch_pdl=pdl,
+        )  # fmt: skip
+        w13_off, s13_off, w2_off, s2_off = self.shared_offsets
+        gate_up_kernel[(i // p.bn_gate_up, p.groups)](
+            xq, xs, self.w13, self.w13_scale, act, group[0], group[1], group[2], row_token,
+            m, e, d, i, w13_off, s13_off, self.limit,
+            BM=p.bm, BN=p.bn_gate_up, KB=p.blocks, SCALE_E8M0=self.scale_e8m0,
+            INTERPRETER=interp, PDL=pdl, num_warps=4, num_stages=3, launch_pdl=pdl,
+        )  # fmt: skip
+        down_kernel[(d // p.bn_down, p.groups)](
+            act, self.w2, self.w2_scale, rows, out if finalize else rows, self._counts,
+            group[0], group[1], group[2], route_row, weights,
+            m, e, d, i, w2_off, s2_off, out.stride(0) if finalize else 0,
+            G=p.groups, BM=p.bm, BN=p.bn_down, BT=bt, TOP_K=k, SCALE_E8M0=self.scale_e8m0,
+            UE8M0=self.ue8m0, FINALIZE=finalize, INTERPRETER=interp, PDL=pdl,
+            PREFETCH=2 if pdl else 0, num_warps=4, num_stages=4, launch_pdl=pdl,
+        )  # fmt: skip
+        return MoeRows(rows, route_row, weights, ids), out
+
+
+class GroupedExperts(MegaExperts):
+    """`MegaExperts` with groups of at most 16 tokens (the policy's `grouped`)."""
+
+    chunk_tokens = 16
+
+
+class MoeLayer:
+    """A whole MoE layer's decode for the token counts it serves: the BF16 router (split-K,
+    FP32 logits), then the experts op the policy picked for that count, finalized: x [M, D]
+    BF16 -> routed + shared output [M, D] BF16 (this rank's TP-partial)."""
+
+    def __init__(self, router: Router, experts: dict[int, MegaExperts]):
+        self.router, self.experts = router, dict(experts)
+
+    def supports(self, m: int) -> bool:
+        return m in self.experts
+
+    def prepare(self, tokens: Iterable[int]) -> None:
+        tokens = list(tokens)
+        self.router.prepare(tokens)
+        for m in tokens:
+            self.experts[m].prepare([m])
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.experts[x.shape[0]].finalized(x, self.router(x))
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _offset(base: Tensor, t: Tensor) -> int:
+    """t's first element as an element offset from base's (same dtype)."""
+    delta = t.data_ptr() - base.data_ptr()
+    assert delta % base.element_size() == 0  # same dtype: both aligned to it
+    return delta // base.element_size()
+
+
+def _check_weights(name, w13, s13, w2, s2, bias, shared, top_k, limit, max_tokens) -> None:
+    """Every problem with the weights and settings in one error."""
+    problems: list[str] = []
+    fp8, scale_types = torch.float8_e4m3fn, (torch.float32, torch.float8_e8m0fnu)
+    if w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"{name}: w13 / w2 must be [E, 2I, D] / [E, D, I], got "
+                         f"{tuple(w13.shape)} / {tuple(w2.shape)}")  # fmt: skip
+    e, two_i, d = w13.shape
+    i = two_i // 2
+    want = {
+        "w13": (w13, (e, 2 * i, d), fp8),
+        "w2": (w2, (e, d, i), fp8),
+        "w13_scale": (s13, (e, -(-2 * i // GROUP), d // GROUP), None),
+        "w2_scale": (s2, (e, d // GROUP, -(-i // GROUP)), None),
+    }
+    if isinstance(shared, tuple) and len(shared) == 4:
+        for n, t in zip(("w13", "w13_scale", "w2", "w2_scale"), shared, strict=True):
+            want[f"shared {n}"] = (t, want[n][1][1:], want[n][2])
+    else:
+        problems.append("shared: expected (w13, w13_scale, w2, w2_scale) of the shared expert")
+    for n, (t, shape, dtype) in want.items():
+        if tuple(t.shape) != shape or not t.is_contiguous():
+            problems.append(f"{n}: shape {tuple(t.shape)}, expected contiguous {shape}")
+        if dtype is not None and t.dtype != dtype:
+            problems.append(f"{n}: dtype {t.dtype}, expected {dtype}")
+        if dtype is None and t.dtype != s13.dtype:
+            problems.append(f"{n}: dtype {t.dtype}, expected the routed scales' {s13.dtype}")
+        if t.device != w13.device:
+            problems.append(f"{n}: on {t.device}, w13 on {w13.device}")
+    if s13.dtype not in scale_types:
+        problems.append(f"w13_scale: dtype {s13.dtype}, expected one of {scale_types}")
+    if two_i % 2 or i % GROUP or d % GROUP:
+        problems.append(f"I={two_i / 2}, D={d}: both must be multiples of {GROUP}")
+    if tuple(bias.shape) != (e,) or not bias.is_contiguous() or not bias.is_floating_point():
+        problems.append(f"bias: {tuple(bias.shape)} {bias.dtype}, expected contiguous [{e}] float")
+    if not 1 <= top_k <= min(e, MAX_TOP_K):
+        problems.append(f"top_k={top_k}: must be in 1..{min(e, MAX_TOP_K)} (the compiled maximum "
+                        f"is {MAX_TOP_K})")  # fmt: skip
+    if not (limit > 0 and math.isfinite(limit)):
+        problems.append(f"swiglu_limit={limit}: must be finite and > 0")
+    if not 1 <= max_tokens <= MAX_TOKENS:
+        problems.append(f"max_tokens={max_tokens}: must be in 1..{MAX_TOKENS}")
+    if w13.device.type != "cuda" and not _interpreting():
+        problems.append(f"weights on {w13.device}; the Triton kernels need CUDA")
+    if problems:
+        raise ValueError(f"{name}: " + "; ".join(problems))

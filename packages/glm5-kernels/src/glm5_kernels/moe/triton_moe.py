@@ -1,0 +1,288 @@
+"""Triton kernels of the MoE stage: routing, then the experts grouped by expert, in three launches.
+
+  route_kernel   one program routes all M tokens (sigmoid + bias top-k, ties to the lower
+                 id, renormalized weights) and lays the routes out grouped by expert: the
+                 shared expert's M rows first, then each touched expert's rows together, cut
+                 into groups of at most CHUNK tokens (one group = one expert's weights read
+                 once for all of its tokens in the group). The other M programs quantize the
+                 tokens to FP8 in 1x128 groups, once for every expert that reads them.
+  gate_up_kernel a CTA per (group, BN gate columns): gate and up tiles of that expert against
+                 the group's gathered tokens, clamped SwiGLU in the epilogue, BF16 rows.
+  down_kernel    a CTA per (group, BN output columns): the group's rows quantized in
+                 registers, the down product into FP32 route rows; with FINALIZE the last
+                 CTA of each column tile (acq_rel counter, reset by it) weights and sums every
+                 token's routes in route order and adds the shared expert: one launch,
+                 deterministic.
+
+Weights are e4m3 with 128x128 block scales (FP32 or UE8M0 bytes). An expert's tensors are
+found at base + e * stride; the shared expert (id E) at base + its element offset from the
+routed stack, so one launch serves both without copying either.
+"""
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from glm5_kernels.gemm.triton_skinny import _narrow, _quantize_groups, _weight_scales
+
+
+@triton.jit
+def _topk_ids(choice, cols, TOP_K: tl.constexpr, KP: tl.constexpr):
+    """[BM, BE] choice values -> ids [BM, KP] (TOP_K used, descending; among equal values
+    the lower column first, a stable sort's order)."""
+    kcols = tl.arange(0, KP)[None, :]
+    ids = tl.zeros([choice.shape[0], KP], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(choice, axis=1)
+        idx = tl.min(tl.where(choice == best[:, None], cols, choice.shape[1]), axis=1)
+        ids = tl.where(kcols == j, idx[:, None], ids)
+        choice = tl.where(cols == idx[:, None], -float("inf"), choice)
+    return ids
+
+
+@triton.jit(do_not_specialize=["M"])
+def route_kernel(
+    logits_ptr,  # [M, E] FP32 router logits (ROUTE), row stride stride_lm
+    bias_ptr,  # [E] e_score_correction_bias
+    ids_ptr,  # [M, TOP_K] int32: written (ROUTE) or read
+    weights_ptr,  # [M, TOP_K] FP32: written (ROUTE) or read
+    route_row_ptr,  # [M, TOP_K] int32 out: each route's row (-1: an id outside [0, E))
+    group_expert_ptr, group_row_ptr, group_count_ptr,  # [G] int32 out (expert -1: unused)
+    row_token_ptr,  # [rows] int32 out: the token of each route row
+    x_ptr, xq_ptr, xs_ptr,  # x [M, D] BF16 -> e4m3 codes [M, D], FP32 scales [M, D/128]
+    M, E, D, stride_lm, stride_xm, scaling,
+    G: tl.constexpr, CHUNK: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
+    BM: tl.constexpr, BE: tl.constexpr, ROUTE: tl.constexpr, UE8M0: tl.constexpr,
+    QUANT_GROUPS: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    if PDL:
+        gdc_wait()
+    if pid > 0:  # quantize token pid - 1
+        t = pid - 1
+        g = tl.arange(0, QUANT_GROUPS)
+        c = tl.arange(0, 128)
+        for g0 in range(0, D // 128, QUANT_GROUPS):
+            groups = tl.minimum(g0 + g, D // 128 - 1)  # past the end: the last group again
+            cols = groups[:, None] * 128 + c[None, :]
+            x = tl.load(x_ptr + t * stride_xm + cols).to(tl.float32)
+            xq, sx = _quantize_groups(x, UE8M0, INTERPRETER)
+            tl.store(xq_ptr + t * D + cols, xq)
+            tl.store(xs_ptr + t * (D // 128) + groups, sx)
+    else:
+        rows = tl.arange(0, BM)
+        cols = tl.arange(0, BE)[None, :]
+        live = rows < M
+        kcols = tl.arange(0, KP)[None, :]
+        kmask = live[:, None] & (kcols < TOP_K)
+        if ROUTE:
+            valid = live[:, None] & (cols < E)
+            logit = tl.load(logits_ptr + rows[:, None] * stride_lm + cols, mask=valid, other=0.0)
+            score = tl.sigmoid(logit)
+            bias = tl.load(bias_ptr + cols, mask=cols < E, other=0.0).to(tl.float32)
+            ids = _topk_ids(tl.where(valid, score + bias, -float("inf")), cols, TOP_K, KP)
+            picked = tl.zeros([BM, KP], dtype=tl.float32)
+            for j in tl.static_range(TOP_K):
+                id_j = tl.sum(tl.where(kcols == j, ids, 0), axis=1)
+                s_j = tl.sum(tl.where(cols == id_j[:, None], score, 0.0), axis=1)
+                picked = tl.where(kcols == j, s_j[:, None], picked)
+            weights = picked / (tl.sum(picked, axis=1)[:, None] + 1e-20) * scaling
+            tl.store(ids_ptr + rows[:, None] * TOP_K + kcols, ids, mask=kmask)
+            tl.store(weights_ptr + rows[:, None] * TOP_K + kcols, weights, mask=kmask)
+        else:
+            ids = tl.load(ids_ptr + rows[:, None] * TOP_K + kcols, mask=kmask, other=-1)
+        # sel[t, e]: token t routes to expert e (a token picks an expert at most once; ids
+        # outside [0, E) select nothing).
+        sel = tl.zeros([BM, BE], dtype=tl.int32)
+        for j in tl.static_range(TOP_K):
+            id_j = tl.sum(tl.where(kcols == j, ids, 0), axis=1)
+            sel = tl.where((cols == id_j[:, None]) & live[:, None] & (cols < E), 1, sel)
+        count = tl.sum(sel, axis=0)  # tokens per expert
+        chunks = (count + CHUNK - 1) // CHUNK
+        row_base = M + tl.cumsum(count, axis=0) - count  # the shared expert holds rows 0..M-1
+        group_base = tl.cdiv(M, CHUNK) + tl.cumsum(chunks, axis=0) - chunks
+        row = row_base[None, :] + tl.cumsum(sel, axis=0) - sel  # [BM, BE]
+        token = rows[:, None] + tl.zeros([BM, BE], dtype=tl.int32)
+        tl.store(row_token_ptr + row, token, mask=sel > 0)
+        tl.store(row_token_ptr + rows, rows, mask=live)
+        route_row = tl.full([BM, KP], -1, dtype=tl.int32)
+        for j in tl.static_range(TOP_K):
+            id_j = tl.sum(tl.where(kcols == j, ids, 0), axis=1)
+            mine = (cols == id_j[:, None]) & (sel > 0)
+            r_j = tl.sum(tl.where(mine, row, 0), axis=1)
+            found = tl.max(mine.to(tl.int32), axis=1) > 0
+            route_row = tl.where((kcols == j) & found[:, None], r_j[:, None], route_row)
+        tl.store(route_row_ptr + rows[:, None] * TOP_K + kcols, route_row, mask=kmask)
+        # Groups: the shared expert's chunks, then each touched expert's, then unused ones.
+        e_ids = tl.arange(0, BE)
+        for i in tl.static_range((BM + CHUNK - 1) // CHUNK):
+            if i * CHUNK < M:
+                tl.store(group_expert_ptr + i, E)
+                tl.store(group_row_ptr + i, i * CHUNK)
+                tl.store(group_count_ptr + i, tl.minimum(M - i * CHUNK, CHUNK))
+        for i in tl.static_range((BM + CHUNK - 1) // CHUNK):
+            mine = i < chunks
+            g = group_base + i
+            tl.store(group_expert_ptr + g, e_ids, mask=mine)
+            tl.store(group_row_ptr + g, row_base + i * CHUNK, mask=mine)
+            tl.store(group_count_ptr + g, tl.minimum(count - i * CHUNK, CHUNK), mask=mine)
+        used = tl.cdiv(M, CHUNK) + tl.sum(chunks, axis=0)
+        for g0 in range(0, G, BE):
+            g = g0 + e_ids
+            tl.store(group_expert_ptr + g, -1, mask=(g >= used) & (g < G))
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _expert_base(group_expert_ptr, group, E, stride_e, shared_offset):
+    """(expert id, element offset of its tensor from the routed stack's base)."""
+    e = tl.load(group_expert_ptr + group)
+    offset = tl.where(e == E, shared_offset, e.to(tl.int64) * stride_e)
+    return e, offset
+
+
+@triton.jit(do_not_specialize=["M"])
+def gate_up_kernel(
+    xq_ptr, xs_ptr,  # [M, D] e4m3 tokens and their [M, D/128] FP32 scales
+    w_ptr, ws_ptr,  # routed w13 [E, 2I, D] e4m3, scales [E, 2I/128, D/128]
+    act_ptr,  # [rows, I] BF16 out: SwiGLU of each route row
+    group_expert_ptr, group_row_ptr, group_count_ptr, row_token_ptr,
+    M, E, D, I, w_shared, ws_shared,  # shared expert: element offsets from w_ptr / ws_ptr
+    limit,
+    BM: tl.constexpr, BN: tl.constexpr, KB: tl.constexpr, SCALE_E8M0: tl.constexpr,
+    INTERPRETER: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pid_n, group = tl.program_id(0), tl.program_id(1)
+    if PDL:
+        gdc_wait()
+    e, w_off = _expert_base(group_expert_ptr, group, E, 2 * I * D, w_shared)
+    if e >= 0:
+        _, s_off = _expert_base(group_expert_ptr, group, E, (2 * I // 128) * (D // 128), ws_shared)
+        row0 = tl.load(group_row_ptr + group)
+        count = tl.load(group_count_ptr + group)
+        offs_m = tl.arange(0, BM)
+        in_rows = offs_m < count
+        tok = tl.load(row_token_ptr + row0 + offs_m, mask=in_rows, other=0)
+        offs_k = tl.arange(0, 128)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        x_ptrs = xq_ptr + tok[:, None] * D + offs_k[None, :]
+        xs_rows = xs_ptr + tok[:, None] * (D // 128)
+        wg_ptrs = w_ptr + w_off + offs_n[:, None] * D + offs_k[None, :]
+        wu_ptrs = wg_ptrs + I * D
+        # BN divides 128: the tile's gate rows share one scale row, and so do its up rows.
+        sg_row = ws_ptr + s_off + (pid_n * BN // 128) * (D // 128)
+        su_row = sg_row + (I // 128) * (D // 128)
+        steps = tl.arange(0, KB)
+        acc_g = tl.zeros([BN, BM], dtype=tl.float32)
+        acc_u = tl.zeros([BN, BM], dtype=tl.float32)
+        k_tiles = D // 128
+        # Scales one step ahead (as the skinny FP8 GEMM does: an L2 round trip per step else).
+        sg_next = _weight_scales(sg_row + steps, SCALE_E8M0)
+        su_next = _weight_scales(su_row + steps, SCALE_E8M0)
+        sx_next = tl.load(xs_rows + steps[None, :], mask=in_rows[:, None], other=0.0)
+        for kb in range(0, k_tiles, KB):
+            after = tl.minimum(kb + KB, k_tiles - KB)
+            sg_step, su_step, sx_step = sg_next, su_next, sx_next
+            sg_next = _weight_scales(sg_row + after + steps, SCALE_E8M0)
+            su_next = _weight_scales(su_row + after + steps, SCALE_E8M0)
+            sx_next = tl.load(xs_rows + after + steps[None, :], mask=in_rows[:, None], other=0.0)
+            for j in tl.static_range(KB):
+                kt = kb + j
+                wg = tl.load(wg_ptrs + kt * 128)
+                wu = tl.load(wu_ptrs + kt * 128)
+                xq = tl.load(x_ptrs + kt * 128, mask=in_rows[:, None], other=0.0)
+                sx = tl.sum(tl.where(steps[None, :] == j, sx_step, 0.0), axis=1)
+                sg = tl.sum(tl.where(steps == j, sg_step, 0.0), axis=0)
+                su = tl.sum(tl.where(steps == j, su_step, 0.0), axis=0)
+                acc_g += tl.dot(wg, tl.trans(xq)) * (sx * sg)[None, :]
+                acc_u += tl.dot(wu, tl.trans(xq)) * (sx * su)[None, :]
+        if PDL:
+            gdc_launch_dependents()
+        # vLLM's sequence: the gate_up output in BF16, SwiGLU in FP32, stored in BF16.
+        gate = tl.minimum(_narrow(acc_g, tl.bfloat16, INTERPRETER).to(tl.float32), limit)
+        up = _narrow(acc_u, tl.bfloat16, INTERPRETER).to(tl.float32)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = _narrow(gate * tl.sigmoid(gate) * up, tl.bfloat16, INTERPRETER)
+        out = act_ptr + (row0 + offs_m)[None, :] * I + offs_n[:, None]
+        tl.store(out, act, mask=in_rows[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def down_kernel(
+    act_ptr,  # [rows, I] BF16 SwiGLU rows
+    w_ptr, ws_ptr,  # routed w2 [E, D, I] e4m3, scales [E, D/128, I/128]
+    rows_ptr,  # [rows, D] FP32 out: each route's expert output, unweighted
+    out_ptr,  # FINALIZE: [M, D] BF16 out
+    count_ptr,  # FINALIZE: [D / BN] int32 arrival counters, zero between launches
+    group_expert_ptr, group_row_ptr, group_count_ptr,
+    route_row_ptr, weights_ptr,  # [M, TOP_K]
+    M, E, D, I, w_shared, ws_shared, stride_om,
+    G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
+    TOP_K: tl.constexpr, SCALE_E8M0: tl.constexpr, UE8M0: tl.constexpr,
+    FINALIZE: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+):  # fmt: skip
+    pid_n, group = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, 128)
+    # The groups were written two launches back (the routing kernel had finished before
+    # gate_up could release this launch), so this CTA's expert is known before the wait:
+    # warm L2 with its first weight lines while gate_up drains.
+    e, w_off = _expert_base(group_expert_ptr, group, E, D * I, w_shared)
+    w_ptrs = w_ptr + w_off + offs_n[:, None] * I + offs_k[None, :]
+    if PDL:
+        if PREFETCH > 0:
+            if e >= 0:
+                lines = tl.minimum(tl.arange(0, PREFETCH) * 128, I - 1)
+                tl.inline_asm_elementwise(
+                    "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+                    [w_ptr + w_off + offs_n[:, None] * I + lines[None, :]], dtype=tl.int32,
+                    is_pure=False, pack=1,
+                )  # fmt: skip
+        gdc_wait()
+    if e >= 0:
+        _, s_off = _expert_base(group_expert_ptr, group, E, (D // 128) * (I // 128), ws_shared)
+        row0 = tl.load(group_row_ptr + group)
+        count = tl.load(group_count_ptr + group)
+        offs_m = tl.arange(0, BM)
+        in_rows = offs_m < count
+        a_ptrs = act_ptr + (row0 + offs_m)[:, None] * I + offs_k[None, :]
+        s_row = ws_ptr + s_off + (pid_n * BN // 128) * (I // 128)
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+        for kt in range(0, I // 128):
+            w = tl.load(w_ptrs + kt * 128)
+            a = tl.load(a_ptrs + kt * 128, mask=in_rows[:, None], other=0.0).to(tl.float32)
+            aq, sa = _quantize_groups(a, UE8M0, INTERPRETER)
+            sw = _weight_scales(s_row + kt, SCALE_E8M0)
+            acc += tl.dot(w, tl.trans(aq)) * (sa * sw)[None, :]
+        out = rows_ptr + (row0 + offs_m)[None, :] * D + offs_n[:, None]
+        tl.store(out, acc, mask=in_rows[None, :])
+    if PDL:
+        gdc_launch_dependents()
+    if FINALIZE:
+        # Every CTA of the column tile arrives, the unused groups' too; the last one sums.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == G - 1:
+            tokens = tl.arange(0, BT)
+            live = tokens < M
+            routed = tl.zeros([BT, BN], dtype=tl.float32)
+            for j in tl.static_range(TOP_K):
+                r = tl.load(route_row_ptr + tokens * TOP_K + j, mask=live, other=-1)
+                w = tl.load(weights_ptr + tokens * TOP_K + j, mask=live, other=0.0)
+                # .cg: the other CTAs' rows are in L2, not in this SM's L1.
+                y = tl.load(
+                    rows_ptr + r[:, None] * D + offs_n[None, :], mask=(r >= 0)[:, None],
+                    other=0.0, cache_modifier=".cg",
+                )  # fmt: skip
+                routed += w[:, None] * y
+            shared = tl.load(
+                rows_ptr + tokens[:, None] * D + offs_n[None, :], mask=live[:, None],
+                other=0.0, cache_modifier=".cg",
+            )  # fmt: skip
+            # The stock sum: routed output in BF16 plus the shared expert's BF16 output.
+            total = _narrow(routed, tl.bfloat16, INTERPRETER).to(tl.float32)
+            total += _narrow(shared, tl.bfloat16, INTERPRETER).to(tl.float32)
+            out = out_ptr + tokens[:, None] * stride_om + offs_n[None, :]
+            tl.store(out, _narrow(total, tl.bfloat16, INTERPRETER), mask=live[:, None])
+            tl.atomic_xchg(count_ptr + pid_n, 0)
