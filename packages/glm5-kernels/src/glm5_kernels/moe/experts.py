@@ -27,7 +27,7 @@ from torch import Tensor
 
 from glm5_kernels.gemm.linear import MAX_TOKENS, Router, _first_call, _interpreting, _pdl, _sms
 
-__all__ = ["GroupedExperts", "MegaExperts", "MoeLayer", "MoeRows", "MAX_TOP_K"]
+__all__ = ["MAX_TOP_K", "GroupedExperts", "MegaExperts", "MoeLayer", "MoeRows"]
 
 MAX_TOP_K = 16  # the routing kernel's compiled bound on routes per token
 GROUP = 128
@@ -234,8 +234,8 @@ class MegaExperts:
         route_kernel[(1 + m,)](
             logits if route else x, self.bias, ids, weights, route_row, group[0], group[1],
             group[2], row_token, x, xq, xs, m, e, d, logits.stride(0) if route else 0,
-            x.stride(0), self.routed_scaling,
-            G=p.groups, CHUNK=p.chunk, TOP_K=k, KP=_pow2(k), BM=bt, BE=_pow2(e), ROUTE=route,
+            x.stride(0), self.routed_scaling, p.groups, p.chunk,
+            MAX_CHUNKS=-(-bt // p.chunk), TOP_K=k, KP=_pow2(k), BM=bt, BE=_pow2(e), ROUTE=route,
             UE8M0=self.ue8m0, QUANT_GROUPS=8, INTERPRETER=interp, PDL=pdl,
             num_warps=8 if m > 16 else 4, launch_pdl=pdl,
         )  # fmt: skip
@@ -249,8 +249,8 @@ class MegaExperts:
         down_kernel[(d // p.bn_down, p.groups)](
             act, self.w2, self.w2_scale, rows, out if finalize else rows, self._counts,
             group[0], group[1], group[2], route_row, weights,
-            m, e, d, i, w2_off, s2_off, out.stride(0) if finalize else 0,
-            G=p.groups, BM=p.bm, BN=p.bn_down, BT=bt, TOP_K=k, SCALE_E8M0=self.scale_e8m0,
+            m, e, d, i, w2_off, s2_off, out.stride(0) if finalize else 0, p.groups,
+            BM=p.bm, BN=p.bn_down, BT=bt, TOP_K=k, SCALE_E8M0=self.scale_e8m0,
             UE8M0=self.ue8m0, FINALIZE=finalize, INTERPRETER=interp, PDL=pdl,
             PREFETCH=2 if pdl else 0, num_warps=4, num_stages=4, launch_pdl=pdl,
         )  # fmt: skip

@@ -18,7 +18,14 @@ from torch import Tensor
 
 from glm5_kernels.quant.reference import dequantize_fp8_block_ref
 
-__all__ = ["dense_mlp_ref", "experts_ref", "moe_output_ref", "moe_rows_ref", "route_ref", "swiglu_ref"]
+__all__ = [
+    "dense_mlp_ref",
+    "experts_ref",
+    "moe_output_ref",
+    "moe_rows_ref",
+    "route_ref",
+    "swiglu_ref",
+]
 
 
 def route_ref(

@@ -23,7 +23,12 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from glm5_kernels.gemm.triton_skinny import _narrow, _quantize_groups, _weight_scales
+from glm5_kernels.gemm.triton_skinny import (
+    _narrow,
+    _prefetch_l2,
+    _quantize_groups,
+    _weight_scales,
+)
 
 
 @triton.jit
@@ -40,7 +45,7 @@ def _topk_ids(choice, cols, TOP_K: tl.constexpr, KP: tl.constexpr):
     return ids
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "G", "CHUNK"])
 def route_kernel(
     logits_ptr,  # [M, E] FP32 router logits (ROUTE), row stride stride_lm
     bias_ptr,  # [E] e_score_correction_bias
@@ -50,8 +55,9 @@ def route_kernel(
     group_expert_ptr, group_row_ptr, group_count_ptr,  # [G] int32 out (expert -1: unused)
     row_token_ptr,  # [rows] int32 out: the token of each route row
     x_ptr, xq_ptr, xs_ptr,  # x [M, D] BF16 -> e4m3 codes [M, D], FP32 scales [M, D/128]
-    M, E, D, stride_lm, stride_xm, scaling,
-    G: tl.constexpr, CHUNK: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
+    M, E, D, stride_lm, stride_xm, scaling, G, CHUNK,
+    MAX_CHUNKS: tl.constexpr,  # >= the groups one expert can need: ceil(BM / CHUNK)
+    TOP_K: tl.constexpr, KP: tl.constexpr,
     BM: tl.constexpr, BE: tl.constexpr, ROUTE: tl.constexpr, UE8M0: tl.constexpr,
     QUANT_GROUPS: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -115,12 +121,12 @@ def route_kernel(
         tl.store(route_row_ptr + rows[:, None] * TOP_K + kcols, route_row, mask=kmask)
         # Groups: the shared expert's chunks, then each touched expert's, then unused ones.
         e_ids = tl.arange(0, BE)
-        for i in tl.static_range((BM + CHUNK - 1) // CHUNK):
+        for i in tl.static_range(MAX_CHUNKS):
             if i * CHUNK < M:
                 tl.store(group_expert_ptr + i, E)
                 tl.store(group_row_ptr + i, i * CHUNK)
                 tl.store(group_count_ptr + i, tl.minimum(M - i * CHUNK, CHUNK))
-        for i in tl.static_range((BM + CHUNK - 1) // CHUNK):
+        for i in tl.static_range(MAX_CHUNKS):
             mine = i < chunks
             g = group_base + i
             tl.store(group_expert_ptr + g, e_ids, mask=mine)
@@ -208,7 +214,7 @@ def gate_up_kernel(
         tl.store(out, act, mask=in_rows[None, :])
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "G"])
 def down_kernel(
     act_ptr,  # [rows, I] BF16 SwiGLU rows
     w_ptr, ws_ptr,  # routed w2 [E, D, I] e4m3, scales [E, D/128, I/128]
@@ -217,8 +223,8 @@ def down_kernel(
     count_ptr,  # FINALIZE: [D / BN] int32 arrival counters, zero between launches
     group_expert_ptr, group_row_ptr, group_count_ptr,
     route_row_ptr, weights_ptr,  # [M, TOP_K]
-    M, E, D, I, w_shared, ws_shared, stride_om,
-    G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
+    M, E, D, I, w_shared, ws_shared, stride_om, G,
+    BM: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
     TOP_K: tl.constexpr, SCALE_E8M0: tl.constexpr, UE8M0: tl.constexpr,
     FINALIZE: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
@@ -229,16 +235,11 @@ def down_kernel(
     # gate_up could release this launch), so this CTA's expert is known before the wait:
     # warm L2 with its first weight lines while gate_up drains.
     e, w_off = _expert_base(group_expert_ptr, group, E, D * I, w_shared)
-    w_ptrs = w_ptr + w_off + offs_n[:, None] * I + offs_k[None, :]
+    w_rows = w_ptr + w_off + offs_n[:, None] * I
     if PDL:
-        if PREFETCH > 0:
-            if e >= 0:
-                lines = tl.minimum(tl.arange(0, PREFETCH) * 128, I - 1)
-                tl.inline_asm_elementwise(
-                    "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-                    [w_ptr + w_off + offs_n[:, None] * I + lines[None, :]], dtype=tl.int32,
-                    is_pure=False, pack=1,
-                )  # fmt: skip
+        if PREFETCH > 0 and e >= 0:
+            lines = tl.minimum(tl.arange(0, PREFETCH) * 128, I - 1)
+            _prefetch_l2(w_rows + lines[None, :])
         gdc_wait()
     if e >= 0:
         _, s_off = _expert_base(group_expert_ptr, group, E, (D // 128) * (I // 128), ws_shared)
@@ -246,6 +247,7 @@ def down_kernel(
         count = tl.load(group_count_ptr + group)
         offs_m = tl.arange(0, BM)
         in_rows = offs_m < count
+        w_ptrs = w_rows + offs_k[None, :]
         a_ptrs = act_ptr + (row0 + offs_m)[:, None] * I + offs_k[None, :]
         s_row = ws_ptr + s_off + (pid_n * BN // 128) * (I // 128)
         acc = tl.zeros([BN, BM], dtype=tl.float32)

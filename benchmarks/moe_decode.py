@@ -1,0 +1,260 @@
+"""A whole MoE layer of GLM-5.3-Flash decode on one GPU (router, routing, 288 routed experts
+top-8, the shared expert): TP 1 and TP 4 ranks, M in {1, 2, 4, 8, 16, 32, 64} tokens, uniform
+and skewed (Zipf) routing; ours (`per_route` = MegaExperts, `grouped` = GroupedExperts, each
+after the split-K router) vs the best stock path built from library parts here, the torch
+reference, and the HBM floor.
+
+Library stock: the router on cuBLAS with an FP32 output, torch's routing ops, then per touched
+expert torch's block-scaled `_scaled_mm` (CUTLASS) for gate_up and down with torch's
+quantization / SwiGLU ops between, weighted and summed with index_add, plus the shared
+expert the same way. The touched experts and their tokens are known on the host when the
+graph is captured (a stock path would have to gather or sync to know them): generous to it.
+Reference: the runtime's stock experts (FP8 weights dequantized per route, capturable).
+Floor: the touched experts' weights and scales (each once), the shared expert's, the
+router's, and x / logits / output bytes ÷ `hbm_bandwidth()` measured in the same run.
+
+Timing: CUDA-graph replays, median; every call reads cold weights (per call a fresh routing
+over the 288 experts, and a different copy of the router and shared-expert weights).
+Launches: kernel nodes of one layer's captured graph. Each path is checked against the
+library's output (the same FP8 numerics) before it is timed.
+
+    PYTHONPATH=packages/glm5-kernels/src:packages/glm5-runtime/src:packages/glm5-policy/src \\
+        python benchmarks/moe_decode.py --out benchmarks/results/moe_decode_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from provenance import provenance, write_result
+
+from glm5_kernels.gemm import Router, quantize_tokens_fp8_ref
+from glm5_kernels.gemm.library import block_fp8_supported, router_library, scaled_mm_block
+from glm5_kernels.moe import GroupedExperts, MegaExperts, route_ref, swiglu_ref
+from glm5_kernels.quant import dequantize_fp8_block_ref, quantize_fp8_block_ref
+from glm5_kernels.timing import graph_calls_us, hbm_bandwidth
+
+E, D, K, LIMIT, SCALING, INTER = 288, 4096, 8, 10.0, 2.5, 2048
+COPIES = 8  # routings / router / shared-expert copies cycled through per graph
+PATHS = {"per_route": MegaExperts, "grouped": GroupedExperts}
+
+
+def fp8_stack(count: int, n: int, k: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    qs, ss = [], []
+    for _ in range(count):
+        q, s = quantize_fp8_block_ref(torch.randn(n, k, generator=gen, device="cuda") / k**0.5)
+        qs.append(q)
+        ss.append(s)
+    return torch.stack(qs), torch.stack(ss)
+
+
+def logits_for(routing: str, m: int, gen) -> torch.Tensor:
+    """Uniform: Gaussian logits. Zipf: each token's 8 experts drawn without replacement with
+    P(expert of popularity rank r) ∝ 1 / r^1.2 (a fixed random popularity order), given the
+    top logits; the rest Gaussian far below."""
+    logits = torch.randn(m, E, generator=gen, device="cuda")
+    if routing == "zipf":
+        p = torch.arange(1, E + 1, device="cuda", dtype=torch.float32) ** -1.2
+        order = torch.randperm(E, generator=gen, device="cuda")
+        picks = order[torch.multinomial(p.expand(m, E), K, generator=gen)]
+        logits = logits - 8.0
+        logits.scatter_(1, picks, 8.0 + torch.rand(m, K, generator=gen, device="cuda"))
+    return logits
+
+
+def expert_library(xq, sx, w13, s13, w2, s2) -> torch.Tensor:
+    h = scaled_mm_block(xq, sx, w13, s13)
+    aq, sa = quantize_tokens_fp8_ref(swiglu_ref(h.float(), LIMIT).to(torch.bfloat16))
+    return scaled_mm_block(aq, sa, w2, s2)
+
+
+def library_layer(x, router_w, bias, logits, experts, shared):
+    """The library stock for one call; `logits` fixes the routing the host planned for."""
+    w13, s13, w2, s2 = experts
+    _, ids_host = route_ref(logits, bias, K, SCALING)
+    plan = [(e, torch.where((ids_host == e).any(-1))[0]) for e in ids_host.unique().tolist()]
+
+    def run():
+        router_library(x, router_w)  # its logits are replaced by the planned ones
+        scores = torch.sigmoid(logits)
+        ids = torch.topk(scores + bias, K, dim=-1).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * SCALING
+        xq, sx = quantize_tokens_fp8_ref(x)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e, tok in plan:
+            y = expert_library(xq[tok], sx[tok], w13[e], s13[e], w2[e], s2[e])
+            combine = (weights[tok] * (ids[tok] == e)).sum(-1, keepdim=True)
+            out.index_add_(0, tok, y.float() * combine)
+        return (out.bfloat16() + expert_library(xq, sx, *shared)).bfloat16()
+
+    return run, len(plan)
+
+
+def reference_layer(x, router_w, bias, logits, experts, shared):
+    """The runtime's stock MoE (weights dequantized per route, or per expert once there are
+    more routes than experts) with the routing `logits` fix."""
+    from glm5_runtime.reference.stages import _experts_by_slot, _experts_dense
+
+    w13, s13, w2, s2 = experts
+    sw13, ss13, sw2, ss2 = shared
+
+    def run():
+        x.float() @ router_w.float().T  # the reference router (its logits replaced)
+        weights, ids = route_ref(logits, bias, K, SCALING)
+        fn = _experts_dense if x.shape[0] * K >= E else _experts_by_slot
+        routed = fn(x, w13, w2, ids, weights, LIMIT, s13, s2)
+        h = swiglu_ref(x @ dequantize_fp8_block_ref(sw13, ss13, dtype=x.dtype).T, LIMIT)
+        down = dequantize_fp8_block_ref(sw2, ss2, dtype=x.dtype)
+        return routed.bfloat16() + h.to(x.dtype) @ down.T
+
+    return run
+
+
+def launches(fn) -> int | None:
+    from glm5_runtime.bench import graph_nodes
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph):
+        fn()
+    nodes = graph_nodes(graph)
+    return None if nodes is None else nodes.get("kernel", 0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", default="1,4")
+    parser.add_argument("--tokens", default="1,2,4,8,16,32,64")
+    parser.add_argument("--routing", default="uniform,zipf")
+    parser.add_argument("--reference-tokens", default="1,8",
+                        help="token counts the (slow) torch reference is timed at")  # fmt: skip
+    parser.add_argument("--out")
+    parser.add_argument("--commit", help="the code's commit, where this tree's git lacks it")
+    parser.add_argument("--table", metavar="JSON", help="print a results file as markdown")
+    args = parser.parse_args()
+    if args.table:
+        print(table(args.table))
+        return
+    if block_fp8_supported(torch.device("cuda")) is None:
+        raise SystemExit("the library stock needs torch's block-scaled _scaled_mm")
+    gen = torch.Generator("cuda").manual_seed(0)
+    bw = hbm_bandwidth()["floor"]
+    print(f"{torch.cuda.get_device_name()}: HBM {bw / 1e12:.2f} TB/s")
+    rows, start = [], time.perf_counter()
+    ref_tokens = {int(t) for t in args.reference_tokens.split(",") if t}
+    for tp in (int(t) for t in args.tp.split(",")):
+        inter = INTER // tp
+        experts = (*fp8_stack(E, 2 * inter, D, gen), *fp8_stack(E, D, inter, gen))
+        w13, s13, w2, s2 = experts
+        shared = [
+            (*fp8_stack(1, 2 * inter, D, gen), *fp8_stack(1, D, inter, gen)) for _ in range(COPIES)
+        ]
+        shared = [tuple(t[0] for t in s) for s in shared]
+        routers = [
+            (torch.randn(E, D, generator=gen, device="cuda") / D**0.5).bfloat16()
+            for _ in range(COPIES)
+        ]
+        bias = torch.zeros(E, device="cuda")
+        expert_bytes = w13[0].nbytes + s13[0].nbytes + w2[0].nbytes + s2[0].nbytes
+        ops = {
+            path: [cls(w13, s13, w2, s2, bias=bias, shared=shared[c], top_k=K,
+                       routed_scaling=SCALING, swiglu_limit=LIMIT) for c in range(COPIES)]
+            for path, cls in PATHS.items()
+        }  # fmt: skip
+        router_ops = [Router(w) for w in routers]
+        for routing in args.routing.split(","):
+            for m in (int(t) for t in args.tokens.split(",")):
+                xs = [torch.randn(m, D, generator=gen, device="cuda").bfloat16()
+                      for _ in range(COPIES)]  # fmt: skip
+                logits = [logits_for(routing, m, gen) for _ in range(COPIES)]
+                library, touched = [], []
+                for c in range(COPIES):
+                    fn, n = library_layer(xs[c], routers[c], bias, logits[c], experts, shared[c])
+                    library.append(fn)
+                    touched.append(n)
+                nbytes = (
+                    sum(touched) / COPIES * expert_bytes + expert_bytes + routers[0].nbytes
+                    + xs[0].nbytes * 2 + logits[0].nbytes
+                )  # fmt: skip
+                floor = nbytes / bw * 1e6
+                library_us = graph_calls_us(library)
+                want = library[0]().double()
+                base = {"tp": tp, "M": m, "routing": routing, "floor_us": floor,
+                        "library_us": library_us, "touched_experts": sum(touched) / COPIES,
+                        "bytes": nbytes}  # fmt: skip
+                for path, path_ops in ops.items():
+                    for c, op in enumerate(path_ops):
+                        router_ops[c].prepare([m])
+                        op.prepare([m])
+
+                    fns = [
+                        lambda r=router_ops[c], op=op, x=xs[c], g=logits[c]: (
+                            r(x),
+                            op.finalized(x, g),
+                        )
+                        for c, op in enumerate(path_ops)
+                    ]
+                    got = fns[0]()[1].double()
+                    err = ((got - want).norm() / want.norm()).item()
+                    us = graph_calls_us(fns)
+                    rows.append({**base, "path": path, "us": us, "floor_ratio": us / floor,
+                                 "speedup_vs_library": library_us / us, "rel_error": err,
+                                 "launches": launches(fns[0])})  # fmt: skip
+                    print(json.dumps(rows[-1]))
+                if m in ref_tokens:
+                    refs = [reference_layer(xs[c], routers[c], bias, logits[c], experts,
+                                            shared[c]) for c in range(2)]  # fmt: skip
+                    us = graph_calls_us(refs, iters=5)
+                    rows.append({**base, "path": "reference", "us": us, "floor_ratio": us / floor,
+                                 "speedup_vs_library": library_us / us})  # fmt: skip
+                    print(json.dumps(rows[-1]))
+                rows.append({**base, "path": "library", "us": library_us,
+                             "floor_ratio": library_us / floor, "speedup_vs_library": 1.0,
+                             "launches": launches(library[0])})  # fmt: skip
+        del experts, w13, s13, w2, s2, ops, shared
+        torch.cuda.empty_cache()
+    result = {
+        **provenance("moe_decode", args),
+        "bandwidth_tbps": bw / 1e12,
+        "library": "cuBLAS router (FP32 out) + torch routing ops + torch._scaled_mm block-"
+        "scaled per touched expert (touched set known on the host) + torch quantization / "
+        "SwiGLU / index_add ops; the shared expert the same way",
+        "seconds": time.perf_counter() - start,
+        "rows": rows,
+    }
+    write_result(args.out, result)
+
+
+def table(path: str) -> str:
+    """Markdown: us (floor ratio) per path, per tp / routing / M."""
+    with open(path) as f:
+        result = json.load(f)
+    paths = ["per_route", "grouped", "library", "reference"]
+    lines = [
+        f"{result['gpu']}, {result['date']}, commit {result['commit']}: µs per MoE layer "
+        "(× HBM floor); launches per layer in brackets",
+        "",
+        "| TP | routing | M | floor µs | " + " | ".join(paths) + " |",
+        "|---|---|---|---|" + "---|" * len(paths),
+    ]
+    cases: dict[tuple, dict] = {}
+    for r in result["rows"]:
+        cases.setdefault((r["tp"], r["routing"], r["M"]), {})[r["path"]] = r
+    for (tp, routing, m), by in cases.items():
+        cells = []
+        for p in paths:
+            r = by.get(p)
+            launches = f" [{r['launches']}]" if r and r.get("launches") else ""
+            cells.append(f"{r['us']:.1f} ({r['floor_ratio']:.2f}×){launches}" if r else "–")
+        floor = next(iter(by.values()))["floor_us"]
+        lines.append(f"| {tp} | {routing} | {m} | {floor:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

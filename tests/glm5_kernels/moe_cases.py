@@ -1,0 +1,77 @@
+"""Shared by the CPU (interpreter) and GPU MoE-stage tests: weights, routings worth testing,
+and the bounds the stage is held to.
+
+Bounds. Routing: the ids exactly (ties to the lower id), the weights within 2^-20 relative
+(a sigmoid and a sum of k FP32 values, a few ulps). Rows: against moe_rows_ref, which rounds
+and quantizes as the kernels do; the GPU's FP8 MMA accumulates each 128-wide block with ~14
+mantissa bits, so some BF16 gate_up values land an ulp away and a few SwiGLU codes move one
+e4m3 step — the MLP bound of gemm_cases.assert_mlp_close (normwise <= 1.5e-2, elementwise
+<= 2^-4 of the largest), applied to every route's row; the output the same against
+moe_output_ref of those reference rows and the kernel's own weights."""
+
+import torch
+
+from glm5_kernels.moe import moe_output_ref, moe_rows_ref, route_ref
+from glm5_kernels.quant import quantize_fp8_block_ref
+
+
+def moe_weights(e: int, d: int, i: int, device, gen: torch.Generator, e8m0: bool = False):
+    """(w13, w13_scale, w2, w2_scale, shared): e experts and the shared expert, block-FP8."""
+
+    def quantized(n: int, k: int, count: int):
+        qs, ss = [], []
+        for _ in range(count):  # one at a time: the real stacks are GBs in FP32
+            w = torch.randn(n, k, generator=gen, device=device) / k**0.5
+            q, s = quantize_fp8_block_ref(w, ue8m0=e8m0)
+            qs.append(q)
+            ss.append(s.to(torch.float8_e8m0fnu) if e8m0 else s)
+        return torch.stack(qs), torch.stack(ss)
+
+    q13, s13 = quantized(2 * i, d, e + 1)
+    q2, s2 = quantized(d, i, e + 1)
+    shared = (q13[e].clone(), s13[e].clone(), q2[e].clone(), s2[e].clone())
+    routed = (t[:e].contiguous() for t in (q13, s13, q2, s2))
+    return (*routed, shared)
+
+
+def routings(m: int, e: int, device, gen: torch.Generator, bias: torch.Tensor):
+    """name -> (router logits [m, e], correction bias [e]): random scores; exact ties (equal
+    scores, and a bias equal on every third expert: the lower ids of those win); one expert
+    every token picks; every token on the same experts."""
+    rand = torch.randn(m, e, generator=gen, device=device) * 2
+    hot = rand.clone()
+    hot[:, e // 2] = 30.0
+    tied = torch.zeros(e, device=device)
+    tied[::3] = 0.25
+    return {
+        "random": (rand, bias),
+        "ties": (torch.zeros(m, e, device=device), tied),
+        "hot-expert": (hot, bias),
+        "same-experts": (rand[:1].expand(m, e).contiguous(), bias),
+    }
+
+
+def assert_rows_close(rows, route_row, x, ids, weights, w, limit, ue8m0):
+    """The stage's unfinalized rows against moe_rows_ref, route by route."""
+    m, k = ids.shape
+    ref = moe_rows_ref(x, ids.long(), *w[:4], w[4], limit, ue8m0)
+    assert (route_row >= 0).all() and route_row.unique().numel() == m * k, "routes share a row"
+    got = torch.stack([rows[:m]] + [rows[route_row[:, j].long()] for j in range(k)], 1).double()
+    assert not torch.isnan(got).any(), "NaN in a route row (never written)"
+    assert (got - ref).norm() <= 1.5e-2 * ref.norm()
+    assert (got - ref).abs().max() <= 2.0**-4 * ref.abs().max()
+    return ref
+
+
+def assert_routing(logits, bias, k, scaling, ids, weights):
+    ref_w, ref_ids = route_ref(logits, bias, k, scaling)
+    assert torch.equal(ids.long(), ref_ids), f"ids {ids.tolist()} != {ref_ids.tolist()}"
+    torch.testing.assert_close(weights, ref_w, rtol=2.0**-20, atol=0)
+
+
+def assert_output_close(out, ref_rows, weights):
+    ref = moe_output_ref(ref_rows, weights).double()
+    out = out.double()
+    assert not torch.isnan(out).any()
+    assert (out - ref).norm() <= 1.5e-2 * ref.norm()
+    assert (out - ref).abs().max() <= 2.0**-4 * ref.abs().max()

@@ -1,0 +1,123 @@
+"""The MoE stage on CPU: its kernels under the Triton interpreter at small off-grid sizes
+against the references (routing ties, a hot expert, tokens all on the same experts, groups
+cut at 16 tokens, FP32 and UE8M0 scales), the unfinalized rows and both finalizations, and
+every bad input. The real GLM-5.3-Flash shapes run on the GPU (test_moe_gpu.py)."""
+
+import os
+
+import pytest
+import torch
+from gemm_cases import padded, poisoned
+from moe_cases import (
+    assert_output_close,
+    assert_routing,
+    assert_rows_close,
+    moe_weights,
+    routings,
+)
+
+from glm5_kernels.moe import GroupedExperts, MegaExperts, MoeRows
+
+interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1"
+)
+
+E, D, I, K = 12, 256, 128, 4
+LIMIT, SCALING = 7.0, 2.5
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["fp32-scales", "ue8m0"])
+def weights(request):
+    gen = torch.Generator().manual_seed(3)
+    return moe_weights(E, D, I, "cpu", gen, e8m0=request.param), request.param
+
+
+def _op(cls, weights, bias, **kw):
+    w, e8m0 = weights
+    return cls(*w[:4], bias=bias, shared=w[4], top_k=K, routed_scaling=SCALING,
+               swiglu_limit=LIMIT, ue8m0=e8m0, **kw)  # fmt: skip
+
+
+@interpreter
+@pytest.mark.parametrize("cls", [MegaExperts, GroupedExperts])
+@pytest.mark.parametrize("m", [1, 5, 19])
+def test_stage_matches_reference(cls, m, weights):
+    """Every routing case: ids and weights, each route's row, and both finalizations."""
+    gen = torch.Generator().manual_seed(m)
+    bias = torch.randn(E, generator=gen) * 0.1
+    x = padded(torch.randn(m, D, generator=gen).bfloat16())
+    op = _op(cls, weights, bias)
+    cases = routings(m, E, "cpu", gen, bias)
+    if m == 1:
+        cases = {"random": cases["random"], "ties": cases["ties"]}
+    for name, (logits, b) in cases.items():
+        op.bias = b
+        rows = op(x, logits)
+        assert isinstance(rows, MoeRows)
+        assert_routing(logits, b, K, SCALING, rows.ids, rows.weights)
+        w = weights[0]
+        ref = assert_rows_close(rows.rows, rows.route_row, x, rows.ids, rows.weights, w,
+                                LIMIT, weights[1])  # fmt: skip
+        out = op.finalized(x, logits, out=poisoned(m, D, torch.bfloat16, "cpu"))
+        assert_output_close(out, ref, rows.weights)
+        assert torch.equal(out, rows.finalize()), name  # the same sum, in the same order
+
+
+@interpreter
+def test_groups_are_cut_at_16_tokens(weights):
+    """GroupedExperts: a hot expert's 19 tokens span two groups (its weights read twice);
+    MegaExperts: one group per expert."""
+    m = 19
+    grouped, mega = _op(GroupedExperts, weights, torch.zeros(E)), _op(MegaExperts, weights,
+                                                                      torch.zeros(E))  # fmt: skip
+    assert grouped.plans[m].chunk == 16 and grouped.plans[m].bm == 16
+    assert mega.plans[m].chunk == m and mega.plans[m].bm == 32
+    assert mega.plans[m].groups == 1 + min(E, m * K)
+    assert grouped.plans[m].groups == 2 + min(E, m * K) + m * K // 16
+
+
+@interpreter
+def test_given_routing(weights):
+    """routed(): ids / weights from elsewhere, the same rows as routing in the kernel."""
+    gen = torch.Generator().manual_seed(7)
+    m = 6
+    bias = torch.zeros(E)
+    x = torch.randn(m, D, generator=gen).bfloat16()
+    logits = torch.randn(m, E, generator=gen)
+    op = _op(MegaExperts, weights, bias)
+    routed_in_kernel = op(x, logits)
+    given = op.routed(x, routed_in_kernel.ids, routed_in_kernel.weights)
+    assert torch.equal(given.finalize(), routed_in_kernel.finalize())
+    out = op.routed(x, routed_in_kernel.ids, routed_in_kernel.weights, finalize=True)
+    assert torch.equal(out, routed_in_kernel.finalize())
+
+
+def test_bad_weights_name_every_problem():
+    gen = torch.Generator().manual_seed(1)
+    w13, s13, w2, s2, shared = moe_weights(4, 256, 128, "cpu", gen)
+    with pytest.raises(ValueError) as err:
+        MegaExperts(w13, s13[:, :1], w2.float(), s2, bias=torch.zeros(5), shared=shared,
+                    top_k=17, routed_scaling=1.0, swiglu_limit=-1.0)  # fmt: skip
+    msg = str(err.value)
+    for part in ("w13_scale: shape", "w2: dtype", "bias:", "top_k=17", "compiled maximum",
+                 "swiglu_limit=-1.0"):  # fmt: skip
+        assert part in msg, (part, msg)
+    with pytest.raises(ValueError, match="shared w2_scale: shape"):
+        MegaExperts(w13, s13, w2, s2, bias=torch.zeros(4), shared=(*shared[:3], s2[0, :1]),
+                    top_k=2, routed_scaling=1.0, swiglu_limit=7.0)  # fmt: skip
+
+
+@interpreter
+def test_bad_inputs_name_every_problem(weights):
+    op = _op(MegaExperts, weights, torch.zeros(E))
+    x = torch.zeros(3, D, dtype=torch.bfloat16)
+    with pytest.raises(ValueError) as err:
+        op(x.float(), torch.zeros(3, E + 1))
+    assert "x: (3, 256) torch.float32" in str(err.value) and "logits: (3, 13)" in str(err.value)
+    with pytest.raises(ValueError, match="M=65 outside"):
+        op(torch.zeros(65, D, dtype=torch.bfloat16), torch.zeros(65, E))
+    ids = torch.tensor([[0, 1, 2, E], [0, 1, 2, 3], [-1, 1, 2, 3]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"expert ids \[-1, 12\] outside \[0, 12\)"):
+        op.routed(x, ids, torch.ones(3, K))
+    with pytest.raises(ValueError, match="expected contiguous \\[3, 4\\] int32 \\(top-k is 4\\)"):
+        op.routed(x, torch.zeros(3, K + 1, dtype=torch.int32), torch.ones(3, K + 1))

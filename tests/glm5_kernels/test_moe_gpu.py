@@ -1,0 +1,101 @@
+"""The MoE stage on the GPU at the real GLM-5.3-Flash shapes (288 experts, top-8, hidden 4096,
+TP 1 and TP 4 ranks' moe_intermediate): every routing case at token counts on and off the
+grids, both paths, FP32 and UE8M0 scales, NaN-poisoned outputs; CUDA-graph capture after
+prepare() and the error for an unprepared token count."""
+
+import pytest
+import torch
+from gemm_cases import padded, poisoned
+from moe_cases import (
+    assert_output_close,
+    assert_routing,
+    assert_rows_close,
+    moe_weights,
+    routings,
+)
+
+from glm5_kernels.gemm import Router
+from glm5_kernels.moe import GroupedExperts, MegaExperts, MoeLayer
+
+pytestmark = pytest.mark.gpu
+
+E, D, K, LIMIT, SCALING = 288, 4096, 8, 10.0, 2.5
+TOKENS = [1, 2, 3, 4, 8, 13, 16, 32, 47, 64]
+
+
+@pytest.fixture(scope="module", params=[(4, False), (1, False), (4, True)],
+                ids=["tp4", "tp1", "tp4-ue8m0"])  # fmt: skip
+def stage(request):
+    tp, e8m0 = request.param
+    gen = torch.Generator("cuda").manual_seed(tp)
+    w = moe_weights(E, D, 2048 // tp, "cuda", gen, e8m0)
+    bias = torch.randn(E, generator=gen, device="cuda") * 0.1
+    ops = {
+        cls: cls(
+            *w[:4],
+            bias=bias,
+            shared=w[4],
+            top_k=K,
+            routed_scaling=SCALING,
+            swiglu_limit=LIMIT,
+            ue8m0=e8m0,
+        )
+        for cls in (MegaExperts, GroupedExperts)
+    }
+    yield w, e8m0, bias, ops
+    del w, ops
+    torch.cuda.empty_cache()
+
+
+def test_real_shapes(stage):
+    w, e8m0, bias, ops = stage
+    gen = torch.Generator("cuda").manual_seed(17)
+    for m in TOKENS:
+        x = padded(torch.randn(m, D, generator=gen, device="cuda").bfloat16())
+        cases = routings(m, E, "cuda", gen, bias)
+        if m not in (1, 8, 47, 64):
+            cases = {"random": cases["random"]}
+        for name, (logits, b) in cases.items():
+            ref = None
+            for op in ops.values():
+                op.bias = b
+                rows = op(x, logits)
+                assert_routing(logits, b, K, SCALING, rows.ids, rows.weights)
+                if ref is None:  # the same routing for both paths: one reference
+                    ref = assert_rows_close(rows.rows, rows.route_row, x, rows.ids,
+                                            rows.weights, w, LIMIT, e8m0)  # fmt: skip
+                else:
+                    got = torch.stack([rows.rows[:m]] + [rows.rows[rows.route_row[:, j].long()]
+                                                         for j in range(K)], 1)  # fmt: skip
+                    assert (got.double() - ref).norm() <= 1.5e-2 * ref.norm(), (m, name)
+                out = op.finalized(x, logits, out=poisoned(m, D, torch.bfloat16, "cuda"))
+                assert_output_close(out, ref, rows.weights)
+                assert torch.equal(out, rows.finalize()), (type(op).__name__, m, name)
+            for op in ops.values():
+                op.bias = bias
+
+
+def test_graph_capture_and_unprepared_tokens(stage):
+    w, e8m0, bias, ops = stage
+    gen = torch.Generator("cuda").manual_seed(5)
+    router_w = (torch.randn(E, D, generator=gen, device="cuda") / D**0.5).bfloat16()
+    layer = MoeLayer(Router(router_w), {1: ops[MegaExperts], 8: ops[MegaExperts],
+                                        32: ops[GroupedExperts]})  # fmt: skip
+    layer.prepare([1, 8, 32])
+    xs = {m: torch.randn(m, D, generator=gen, device="cuda").bfloat16() for m in (1, 8, 32)}
+    eager = {m: layer(x) for m, x in xs.items()}
+    graphs = {}
+    for m, x in xs.items():
+        graphs[m] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[m]):
+            y = layer(x)
+        graphs[m].replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, eager[m]), m
+    fresh = GroupedExperts(*w[:4], bias=bias, shared=w[4], top_k=K, routed_scaling=SCALING,
+                           swiglu_limit=LIMIT, ue8m0=e8m0)  # fmt: skip
+    x = xs[8]
+    logits = torch.zeros(8, E, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="M=8 was not prepared"), torch.cuda.graph(graph):
+        fresh.finalized(x, logits)
