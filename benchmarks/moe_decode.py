@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 
 import torch
 from provenance import provenance, write_result
@@ -114,6 +115,52 @@ def reference_layer(x, router_w, bias, logits, experts, shared):
     return run
 
 
+def sweep(path_ops, router_ops, xs, logits, m: int, floors: dict[str, float]) -> dict:
+    """Each launch of the layer timed alone (its inputs left by a full run), at the plan's
+    tile and at variants of it: where the time goes, and what the plan should pick."""
+    bufs = []
+    for c, op in enumerate(path_ops):
+        b = op._buffers(xs[c], m, logits[c], None, None, True, None)
+        op._route(b)
+        op._gate_up(b)
+        op._down(b)
+        bufs.append(b)
+    out = {
+        "router_us": graph_calls_us(
+            [lambda r=r, x=x: r(x) for r, x in zip(router_ops, xs, strict=True)]
+        )
+    }
+    out["route_us"] = graph_calls_us(
+        [lambda op=op, b=b: op._route(b) for op, b in zip(path_ops, bufs, strict=True)]
+    )
+    variants = {
+        "gate_up": [("bn_gate_up", (16, 32, 64)), ("stages_gate_up", (2, 3, 4, 5)),
+                    ("blocks", (1, 2)), ("warps", (4, 8))],
+        "down": [("bn_down", (32, 64, 128)), ("stages_down", (2, 3, 4, 6)), ("warps", (4, 8))],
+    }  # fmt: skip
+    plan = path_ops[0].plans[m]
+    for kernel, fields in variants.items():
+        fns = [getattr(op, f"_{kernel}") for op in path_ops]
+        launch = [lambda f=f, b=b: f(b) for f, b in zip(fns, bufs, strict=True)]
+        out[f"{kernel}_us"] = graph_calls_us(launch)
+        out[f"{kernel}_floor_us"] = floors[kernel]
+        tried = []
+        for field, values in fields:
+            for v in values:
+                if v == getattr(plan, field):
+                    continue
+                for op in path_ops:
+                    op.plans[m] = replace(plan, **{field: v})
+                try:
+                    tried.append({field: v, "us": graph_calls_us(launch, iters=7)})
+                except Exception as e:  # a tile that does not fit: say so, go on
+                    tried.append({field: v, "error": type(e).__name__})
+                for op in path_ops:
+                    op.plans[m] = plan
+        out[f"{kernel}_variants"] = tried
+    return out
+
+
 def launches(fn) -> int | None:
     from glm5_runtime.bench import graph_nodes
 
@@ -133,6 +180,7 @@ def main() -> None:
     parser.add_argument("--routing", default="uniform,zipf")
     parser.add_argument("--reference-tokens", default="1,8",
                         help="token counts the (slow) torch reference is timed at")  # fmt: skip
+    parser.add_argument("--sweep", action="store_true", help="time each launch and tile variants")
     parser.add_argument("--out")
     parser.add_argument("--commit", help="the code's commit, where this tree's git lacks it")
     parser.add_argument("--table", metavar="JSON", help="print a results file as markdown")
@@ -205,6 +253,13 @@ def main() -> None:
                     rows.append({**base, "path": path, "us": us, "floor_ratio": us / floor,
                                  "speedup_vs_library": library_us / us, "rel_error": err,
                                  "launches": launches(fns[0])})  # fmt: skip
+                    if args.sweep:
+                        touched_bytes = sum(touched) / COPIES + 1
+                        floors = {
+                            "gate_up": touched_bytes * (w13[0].nbytes + s13[0].nbytes) / bw * 1e6,
+                            "down": touched_bytes * (w2[0].nbytes + s2[0].nbytes) / bw * 1e6,
+                        }
+                        rows[-1]["sweep"] = sweep(path_ops, router_ops, xs, logits, m, floors)
                     print(json.dumps(rows[-1]))
                 if m in ref_tokens:
                     refs = [reference_layer(xs[c], routers[c], bias, logits[c], experts,

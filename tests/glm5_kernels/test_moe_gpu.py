@@ -10,6 +10,7 @@ from moe_cases import (
     assert_output_close,
     assert_routing,
     assert_rows_close,
+    assert_same_sum,
     moe_weights,
     routings,
 )
@@ -70,7 +71,7 @@ def test_real_shapes(stage):
                     assert (got.double() - ref).norm() <= 1.5e-2 * ref.norm(), (m, name)
                 out = op.finalized(x, logits, out=poisoned(m, D, torch.bfloat16, "cuda"))
                 assert_output_close(out, ref, rows.weights)
-                assert torch.equal(out, rows.finalize()), (type(op).__name__, m, name)
+                assert_same_sum(out, rows.finalize())
             for op in ops.values():
                 op.bias = bias
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor
@@ -68,6 +69,9 @@ class _Plan:
     bn_gate_up: int
     bn_down: int
     blocks: int  # gate_up: 128-wide K blocks per pipelined step
+    stages_gate_up: int = 3
+    stages_down: int = 4
+    warps: int = 4
 
 
 def _pow2(n: int) -> int:
@@ -210,51 +214,80 @@ class MegaExperts:
         _first_call(self, m)
         return m
 
-    def _run(self, x, m, logits, ids, weights, *, finalize: bool, out=None):
-        from .triton_moe import down_kernel, gate_up_kernel, route_kernel
-
-        p, dev = self.plans[m], self._device
-        d, i, e, k = self.hidden, self.inter, self.num_experts, self.top_k
-        pdl, interp = _pdl(dev), _interpreting()
-        route = ids is None
-        rows_total = m + m * k
-        if route:
+    def _buffers(self, x, m, logits, ids, weights, finalize: bool, out) -> SimpleNamespace:
+        """One call's inputs and scratch (the CUDA graph's pool during capture)."""
+        dev, d, k = self._device, self.hidden, self.top_k
+        routed_here = ids is None
+        if routed_here:
             ids = torch.empty(m, k, dtype=torch.int32, device=dev)
             weights = torch.empty(m, k, dtype=torch.float32, device=dev)
-        route_row = torch.empty(m, k, dtype=torch.int32, device=dev)
-        group = torch.empty(3, p.groups, dtype=torch.int32, device=dev)  # expert, row, count
-        row_token = torch.empty(rows_total, dtype=torch.int32, device=dev)
-        xq = torch.empty(m, d, dtype=torch.float8_e4m3fn, device=dev)
-        xs = torch.empty(m, d // GROUP, dtype=torch.float32, device=dev)
-        act = torch.empty(rows_total, i, dtype=torch.bfloat16, device=dev)
-        rows = torch.empty(rows_total, d, dtype=torch.float32, device=dev)
+        rows_total = m + m * k
         if finalize and out is None:
             out = torch.empty(m, d, dtype=torch.bfloat16, device=dev)
-        bt = max(2, _pow2(m))
+        return SimpleNamespace(
+            m=m, x=x, logits=logits, ids=ids, weights=weights, route=routed_here,
+            finalize=finalize, out=out,
+            route_row=torch.empty(m, k, dtype=torch.int32, device=dev),
+            group=torch.empty(3, self.plans[m].groups, dtype=torch.int32, device=dev),
+            row_token=torch.empty(rows_total, dtype=torch.int32, device=dev),
+            xq=torch.empty(m, d, dtype=torch.float8_e4m3fn, device=dev),
+            xs=torch.empty(m, d // GROUP, dtype=torch.float32, device=dev),
+            act=torch.empty(rows_total, self.inter, dtype=torch.bfloat16, device=dev),
+            rows=torch.empty(rows_total, d, dtype=torch.float32, device=dev),
+        )  # fmt: skip
+
+    def _run(self, x, m, logits, ids, weights, *, finalize: bool, out=None):
+        b = self._buffers(x, m, logits, ids, weights, finalize, out)
+        self._route(b)
+        self._gate_up(b)
+        self._down(b)
+        return MoeRows(b.rows, b.route_row, b.weights, b.ids), b.out
+
+    def _route(self, b: SimpleNamespace) -> None:
+        from .triton_moe import route_kernel
+
+        p, m, pdl = self.plans[b.m], b.m, _pdl(self._device)
+        group = b.group
         route_kernel[(1 + m,)](
-            logits if route else x, self.bias, ids, weights, route_row, group[0], group[1],
-            group[2], row_token, x, xq, xs, m, e, d, logits.stride(0) if route else 0,
-            x.stride(0), self.routed_scaling, p.groups, p.chunk,
-            MAX_CHUNKS=-(-bt // p.chunk), TOP_K=k, KP=_pow2(k), BM=bt, BE=_pow2(e), ROUTE=route,
-            UE8M0=self.ue8m0, QUANT_GROUPS=8, INTERPRETER=interp, PDL=pdl,
-            num_warps=8 if m > 16 else 4, launch_pdl=pdl,
+            b.logits if b.route else b.x, self.bias, b.ids, b.weights, b.route_row, group[0],
+            group[1], group[2], b.row_token, b.x, b.xq, b.xs, m, self.num_experts,
+            self.hidden, b.logits.stride(0) if b.route else 0, b.x.stride(0),
+            self.routed_scaling, p.groups, p.chunk,
+            MAX_CHUNKS=-(-m // p.chunk), TOP_K=self.top_k, KP=_pow2(self.top_k),
+            RB=min(16, max(2, _pow2(m))), BE=_pow2(self.num_experts), ROUTE=b.route,
+            UE8M0=self.ue8m0, QUANT_GROUPS=8, INTERPRETER=_interpreting(), PDL=pdl,
+            num_warps=4, launch_pdl=pdl,
         )  # fmt: skip
-        w13_off, s13_off, w2_off, s2_off = self.shared_offsets
-        gate_up_kernel[(i // p.bn_gate_up, p.groups)](
-            xq, xs, self.w13, self.w13_scale, act, group[0], group[1], group[2], row_token,
-            m, e, d, i, w13_off, s13_off, self.limit,
+
+    def _gate_up(self, b: SimpleNamespace) -> None:
+        from .triton_moe import gate_up_kernel
+
+        p, pdl = self.plans[b.m], _pdl(self._device)
+        w13_off, s13_off = self.shared_offsets[:2]
+        gate_up_kernel[(self.inter // p.bn_gate_up, p.groups)](
+            b.xq, b.xs, self.w13, self.w13_scale, b.act, b.group[0], b.group[1], b.group[2],
+            b.row_token, b.m, self.num_experts, self.hidden, self.inter, w13_off, s13_off,
+            self.limit,
             BM=p.bm, BN=p.bn_gate_up, KB=p.blocks, SCALE_E8M0=self.scale_e8m0,
-            INTERPRETER=interp, PDL=pdl, num_warps=4, num_stages=3, launch_pdl=pdl,
+            INTERPRETER=_interpreting(), PDL=pdl, num_warps=p.warps,
+            num_stages=p.stages_gate_up, launch_pdl=pdl,
         )  # fmt: skip
-        down_kernel[(d // p.bn_down, p.groups)](
-            act, self.w2, self.w2_scale, rows, out if finalize else rows, self._counts,
-            group[0], group[1], group[2], route_row, weights,
-            m, e, d, i, w2_off, s2_off, out.stride(0) if finalize else 0, p.groups,
-            BM=p.bm, BN=p.bn_down, BT=bt, TOP_K=k, SCALE_E8M0=self.scale_e8m0,
-            UE8M0=self.ue8m0, FINALIZE=finalize, INTERPRETER=interp, PDL=pdl,
-            PREFETCH=2 if pdl else 0, num_warps=4, num_stages=4, launch_pdl=pdl,
+
+    def _down(self, b: SimpleNamespace) -> None:
+        from .triton_moe import down_kernel
+
+        p, m, pdl = self.plans[b.m], b.m, _pdl(self._device)
+        w2_off, s2_off = self.shared_offsets[2:]
+        out = b.out if b.finalize else b.rows
+        down_kernel[(self.hidden // p.bn_down, p.groups)](
+            b.act, self.w2, self.w2_scale, b.rows, out, self._counts, b.group[0], b.group[1],
+            b.group[2], b.route_row, b.weights, m, self.num_experts, self.hidden, self.inter,
+            w2_off, s2_off, out.stride(0), p.groups,
+            BM=p.bm, BN=p.bn_down, BT=max(2, _pow2(m)), TOP_K=self.top_k,
+            SCALE_E8M0=self.scale_e8m0, UE8M0=self.ue8m0, FINALIZE=b.finalize,
+            INTERPRETER=_interpreting(), PDL=pdl, PREFETCH=2 if pdl else 0,
+            num_warps=p.warps, num_stages=p.stages_down, launch_pdl=pdl,
         )  # fmt: skip
-        return MoeRows(rows, route_row, weights, ids), out
 
 
 class GroupedExperts(MegaExperts):

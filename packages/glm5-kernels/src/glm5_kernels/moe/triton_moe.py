@@ -45,6 +45,21 @@ def _topk_ids(choice, cols, TOP_K: tl.constexpr, KP: tl.constexpr):
     return ids
 
 
+@triton.jit
+def _quantize_token(x_ptr, xq_ptr, xs_ptr, t, D, stride_xm, UE8M0: tl.constexpr,
+                    QUANT_GROUPS: tl.constexpr, INTERPRETER: tl.constexpr):  # fmt: skip
+    """Token t's D values -> e4m3 codes and one FP32 scale per 128 (vLLM's group rule)."""
+    c = tl.arange(0, 128)
+    for g0 in range(0, D // 128, QUANT_GROUPS):
+        # Past the end: the last group again (the same values stored twice).
+        groups = tl.minimum(g0 + tl.arange(0, QUANT_GROUPS), D // 128 - 1)
+        cols = groups[:, None] * 128 + c[None, :]
+        x = tl.load(x_ptr + t * stride_xm + cols).to(tl.float32)
+        xq, sx = _quantize_groups(x, UE8M0, INTERPRETER)
+        tl.store(xq_ptr + t * D + cols, xq)
+        tl.store(xs_ptr + t * (D // 128) + groups, sx)
+
+
 @triton.jit(do_not_specialize=["M", "G", "CHUNK"])
 def route_kernel(
     logits_ptr,  # [M, E] FP32 router logits (ROUTE), row stride stride_lm
@@ -56,69 +71,85 @@ def route_kernel(
     row_token_ptr,  # [rows] int32 out: the token of each route row
     x_ptr, xq_ptr, xs_ptr,  # x [M, D] BF16 -> e4m3 codes [M, D], FP32 scales [M, D/128]
     M, E, D, stride_lm, stride_xm, scaling, G, CHUNK,
-    MAX_CHUNKS: tl.constexpr,  # >= the groups one expert can need: ceil(BM / CHUNK)
-    TOP_K: tl.constexpr, KP: tl.constexpr,
-    BM: tl.constexpr, BE: tl.constexpr, ROUTE: tl.constexpr, UE8M0: tl.constexpr,
-    QUANT_GROUPS: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr,
+    MAX_CHUNKS: tl.constexpr,  # >= the groups one expert can need: ceil(M / CHUNK)
+    TOP_K: tl.constexpr, KP: tl.constexpr, RB: tl.constexpr, BE: tl.constexpr,
+    ROUTE: tl.constexpr, UE8M0: tl.constexpr, QUANT_GROUPS: tl.constexpr,
+    INTERPRETER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     if PDL:
         gdc_wait()
-    if pid > 0:  # quantize token pid - 1
-        t = pid - 1
-        g = tl.arange(0, QUANT_GROUPS)
-        c = tl.arange(0, 128)
-        for g0 in range(0, D // 128, QUANT_GROUPS):
-            groups = tl.minimum(g0 + g, D // 128 - 1)  # past the end: the last group again
-            cols = groups[:, None] * 128 + c[None, :]
-            x = tl.load(x_ptr + t * stride_xm + cols).to(tl.float32)
-            xq, sx = _quantize_groups(x, UE8M0, INTERPRETER)
-            tl.store(xq_ptr + t * D + cols, xq)
-            tl.store(xs_ptr + t * (D // 128) + groups, sx)
+    if pid > 0:
+        _quantize_token(x_ptr, xq_ptr, xs_ptr, pid - 1, D, stride_xm, UE8M0, QUANT_GROUPS,
+                        INTERPRETER)  # fmt: skip
     else:
-        rows = tl.arange(0, BM)
         cols = tl.arange(0, BE)[None, :]
-        live = rows < M
         kcols = tl.arange(0, KP)[None, :]
-        kmask = live[:, None] & (kcols < TOP_K)
-        if ROUTE:
-            valid = live[:, None] & (cols < E)
-            logit = tl.load(logits_ptr + rows[:, None] * stride_lm + cols, mask=valid, other=0.0)
-            score = tl.sigmoid(logit)
-            bias = tl.load(bias_ptr + cols, mask=cols < E, other=0.0).to(tl.float32)
-            ids = _topk_ids(tl.where(valid, score + bias, -float("inf")), cols, TOP_K, KP)
-            picked = tl.zeros([BM, KP], dtype=tl.float32)
+        # Pass 1, RB tokens at a time: each token's routes, and each route's rank among the
+        # expert's tokens (kept in route_row for pass 2); seen[e] counts tokens so far.
+        seen = tl.zeros([BE], dtype=tl.int32)
+        for r0 in range(0, M, RB):
+            rows = r0 + tl.arange(0, RB)
+            live = rows < M
+            kmask = live[:, None] & (kcols < TOP_K)
+            at = rows[:, None] * TOP_K + kcols
+            if ROUTE:
+                valid = live[:, None] & (cols < E)
+                logit = tl.load(logits_ptr + rows[:, None] * stride_lm + cols, mask=valid,
+                                other=0.0)  # fmt: skip
+                score = tl.sigmoid(logit)
+                bias = tl.load(bias_ptr + cols, mask=cols < E, other=0.0).to(tl.float32)
+                ids = _topk_ids(tl.where(valid, score + bias, -float("inf")), cols, TOP_K, KP)
+                picked = tl.zeros([RB, KP], dtype=tl.float32)
+                for j in tl.static_range(TOP_K):
+                    id_j = tl.sum(tl.where(kcols == j, ids, 0), axis=1)
+                    s_j = tl.sum(tl.where(cols == id_j[:, None], score, 0.0), axis=1)
+                    picked = tl.where(kcols == j, s_j[:, None], picked)
+                weights = picked / (tl.sum(picked, axis=1)[:, None] + 1e-20) * scaling
+                tl.store(ids_ptr + at, ids, mask=kmask)
+                tl.store(weights_ptr + at, weights, mask=kmask)
+            else:
+                ids = tl.load(ids_ptr + at, mask=kmask, other=-1)
+            # sel[t, e]: token t routes to expert e (a token picks an expert at most once;
+            # ids outside [0, E) select nothing).
+            sel = tl.zeros([RB, BE], dtype=tl.int32)
             for j in tl.static_range(TOP_K):
                 id_j = tl.sum(tl.where(kcols == j, ids, 0), axis=1)
-                s_j = tl.sum(tl.where(cols == id_j[:, None], score, 0.0), axis=1)
-                picked = tl.where(kcols == j, s_j[:, None], picked)
-            weights = picked / (tl.sum(picked, axis=1)[:, None] + 1e-20) * scaling
-            tl.store(ids_ptr + rows[:, None] * TOP_K + kcols, ids, mask=kmask)
-            tl.store(weights_ptr + rows[:, None] * TOP_K + kcols, weights, mask=kmask)
-        else:
-            ids = tl.load(ids_ptr + rows[:, None] * TOP_K + kcols, mask=kmask, other=-1)
-        # sel[t, e]: token t routes to expert e (a token picks an expert at most once; ids
-        # outside [0, E) select nothing).
-        sel = tl.zeros([BM, BE], dtype=tl.int32)
-        for j in tl.static_range(TOP_K):
-            id_j = tl.sum(tl.where(kcols == j, ids, 0), axis=1)
-            sel = tl.where((cols == id_j[:, None]) & live[:, None] & (cols < E), 1, sel)
-        count = tl.sum(sel, axis=0)  # tokens per expert
+                sel = tl.where((cols == id_j[:, None]) & live[:, None] & (cols < E), 1, sel)
+            rank = seen[None, :] + tl.cumsum(sel, axis=0) - sel
+            ranks = tl.full([RB, KP], -1, dtype=tl.int32)
+            for j in tl.static_range(TOP_K):
+                id_j = tl.sum(tl.where(kcols == j, ids, 0), axis=1)
+                mine = (cols == id_j[:, None]) & (sel > 0)
+                r_j = tl.sum(tl.where(mine, rank, 0), axis=1)
+                found = tl.max(mine.to(tl.int32), axis=1) > 0
+                ranks = tl.where((kcols == j) & found[:, None], r_j[:, None], ranks)
+            tl.store(route_row_ptr + at, ranks, mask=kmask)
+            seen += tl.sum(sel, axis=0)
+        # The layout: the shared expert's M rows, then each expert's, in expert order.
+        count = seen
         chunks = (count + CHUNK - 1) // CHUNK
-        row_base = M + tl.cumsum(count, axis=0) - count  # the shared expert holds rows 0..M-1
+        row_base = M + tl.cumsum(count, axis=0) - count
         group_base = tl.cdiv(M, CHUNK) + tl.cumsum(chunks, axis=0) - chunks
-        row = row_base[None, :] + tl.cumsum(sel, axis=0) - sel  # [BM, BE]
-        token = rows[:, None] + tl.zeros([BM, BE], dtype=tl.int32)
-        tl.store(row_token_ptr + row, token, mask=sel > 0)
-        tl.store(row_token_ptr + rows, rows, mask=live)
-        route_row = tl.full([BM, KP], -1, dtype=tl.int32)
-        for j in tl.static_range(TOP_K):
-            id_j = tl.sum(tl.where(kcols == j, ids, 0), axis=1)
-            mine = (cols == id_j[:, None]) & (sel > 0)
-            r_j = tl.sum(tl.where(mine, row, 0), axis=1)
-            found = tl.max(mine.to(tl.int32), axis=1) > 0
-            route_row = tl.where((kcols == j) & found[:, None], r_j[:, None], route_row)
-        tl.store(route_row_ptr + rows[:, None] * TOP_K + kcols, route_row, mask=kmask)
+        tl.debug_barrier()  # pass 1's stores are visible to every thread of the program
+        # Pass 2: ranks -> rows, and each row's token.
+        for r0 in range(0, M, RB):
+            rows = r0 + tl.arange(0, RB)
+            live = rows < M
+            kmask = live[:, None] & (kcols < TOP_K)
+            at = rows[:, None] * TOP_K + kcols
+            ids = tl.load(ids_ptr + at, mask=kmask, other=-1)
+            ranks = tl.load(route_row_ptr + at, mask=kmask, other=-1)
+            base = tl.zeros([RB, KP], dtype=tl.int32)
+            for j in tl.static_range(TOP_K):
+                id_j = tl.sum(tl.where(kcols == j, ids, 0), axis=1)
+                b_j = tl.sum(tl.where(cols == id_j[:, None], row_base[None, :], 0), axis=1)
+                base = tl.where(kcols == j, b_j[:, None], base)
+            route_row = tl.where(ranks >= 0, base + ranks, -1)
+            tl.store(route_row_ptr + at, route_row, mask=kmask)
+            token = rows[:, None] + tl.zeros([RB, KP], dtype=tl.int32)
+            tl.store(row_token_ptr + route_row, token, mask=kmask & (route_row >= 0))
+            tl.store(row_token_ptr + rows, rows, mask=live)
         # Groups: the shared expert's chunks, then each touched expert's, then unused ones.
         e_ids = tl.arange(0, BE)
         for i in tl.static_range(MAX_CHUNKS):
