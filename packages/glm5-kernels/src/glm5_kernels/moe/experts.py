@@ -131,6 +131,7 @@ class MegaExperts:
         sms = _sms(self._device)
         self.plans = {m: self._plan(m, sms) for m in range(1, max_tokens + 1)}
         self._counts = torch.zeros(-(-self.hidden // 16), dtype=torch.int32, device=self._device)
+        self._arrivals = torch.zeros(1, dtype=torch.int32, device=self._device)
         self._ready: set[int] = set()
 
     def _plan(self, m: int, sms: int) -> _Plan:
@@ -248,13 +249,13 @@ class MegaExperts:
 
         p, m, pdl = self.plans[b.m], b.m, _pdl(self._device)
         group = b.group
-        route_kernel[(1 + m,)](
+        route_kernel[(m,)](
             b.logits if b.route else b.x, self.bias, b.ids, b.weights, b.route_row, group[0],
-            group[1], group[2], b.row_token, b.x, b.xq, b.xs, m, self.num_experts,
+            group[1], group[2], b.row_token, b.x, b.xq, b.xs, self._arrivals, m, self.num_experts,
             self.hidden, b.logits.stride(0) if b.route else 0, b.x.stride(0),
             self.routed_scaling, p.groups, p.chunk,
             MAX_CHUNKS=-(-m // p.chunk), TOP_K=self.top_k, KP=_pow2(self.top_k),
-            RB=min(16, max(2, _pow2(m))), BE=_pow2(self.num_experts), ROUTE=b.route,
+            BR=max(2, _pow2(m * self.top_k)), BE=_pow2(self.num_experts + 1), ROUTE=b.route,
             UE8M0=self.ue8m0, QUANT_GROUPS=8, INTERPRETER=_interpreting(), PDL=pdl,
             num_warps=4, launch_pdl=pdl,
         )  # fmt: skip

@@ -21,7 +21,7 @@ routed stack, so one launch serves both without copying either.
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, libdevice
 
 from glm5_kernels.gemm.triton_skinny import (
     _narrow,
@@ -32,17 +32,18 @@ from glm5_kernels.gemm.triton_skinny import (
 
 
 @triton.jit
-def _topk_ids(choice, cols, TOP_K: tl.constexpr, KP: tl.constexpr):
-    """[BM, BE] choice values -> ids [BM, KP] (TOP_K used, descending; among equal values
-    the lower column first, a stable sort's order)."""
-    kcols = tl.arange(0, KP)[None, :]
-    ids = tl.zeros([choice.shape[0], KP], dtype=tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(choice, axis=1)
-        idx = tl.min(tl.where(choice == best[:, None], cols, choice.shape[1]), axis=1)
-        ids = tl.where(kcols == j, idx[:, None], ids)
-        choice = tl.where(cols == idx[:, None], -float("inf"), choice)
-    return ids
+def _sigmoid(x, INTERPRETER: tl.constexpr):
+    """1 / (1 + exp(-x)) as torch computes it on CUDA (expf, IEEE division): the same FP32
+    scores, so the same choice wherever two experts' scores are near a tie."""
+    e = tl.exp(-x) if INTERPRETER else libdevice.exp(-x)  # no libdevice on the interpreter
+    return tl.math.div_rn(1.0, 1.0 + e)
+
+
+@triton.jit
+def _ordered(v):
+    """FP32 -> int32 of the same order (negative values: magnitude bits flipped)."""
+    b = v.to(tl.int32, bitcast=True)
+    return b ^ ((b >> 31) & 0x7FFFFFFF)
 
 
 @triton.jit
@@ -70,103 +71,80 @@ def route_kernel(
     group_expert_ptr, group_row_ptr, group_count_ptr,  # [G] int32 out (expert -1: unused)
     row_token_ptr,  # [rows] int32 out: the token of each route row
     x_ptr, xq_ptr, xs_ptr,  # x [M, D] BF16 -> e4m3 codes [M, D], FP32 scales [M, D/128]
+    count_ptr,  # [1] int32 arrival counter, zero between launches
     M, E, D, stride_lm, stride_xm, scaling, G, CHUNK,
     MAX_CHUNKS: tl.constexpr,  # >= the groups one expert can need: ceil(M / CHUNK)
-    TOP_K: tl.constexpr, KP: tl.constexpr, RB: tl.constexpr, BE: tl.constexpr,
+    TOP_K: tl.constexpr, KP: tl.constexpr, BR: tl.constexpr, BE: tl.constexpr,
     ROUTE: tl.constexpr, UE8M0: tl.constexpr, QUANT_GROUPS: tl.constexpr,
     INTERPRETER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
+    """Program t quantizes token t and picks its routes; the last to finish lays them out:
+    sorted by (expert, route), route r of expert e is row M + its position (the shared
+    expert holds rows 0..M-1), so each expert's rows are contiguous and in token order."""
+    t = tl.program_id(0)
     if PDL:
         gdc_wait()
-    if pid > 0:
-        _quantize_token(x_ptr, xq_ptr, xs_ptr, pid - 1, D, stride_xm, UE8M0, QUANT_GROUPS,
-                        INTERPRETER)  # fmt: skip
-    else:
-        cols = tl.arange(0, BE)[None, :]
-        kcols = tl.arange(0, KP)[None, :]
-        # Pass 1, RB tokens at a time: each token's routes, and each route's rank among the
-        # expert's tokens (kept in route_row for pass 2); seen[e] counts tokens so far.
-        seen = tl.zeros([BE], dtype=tl.int32)
-        for r0 in range(0, M, RB):
-            rows = r0 + tl.arange(0, RB)
-            live = rows < M
-            kmask = live[:, None] & (kcols < TOP_K)
-            at = rows[:, None] * TOP_K + kcols
-            if ROUTE:
-                valid = live[:, None] & (cols < E)
-                logit = tl.load(logits_ptr + rows[:, None] * stride_lm + cols, mask=valid,
-                                other=0.0)  # fmt: skip
-                score = tl.sigmoid(logit)
-                bias = tl.load(bias_ptr + cols, mask=cols < E, other=0.0).to(tl.float32)
-                ids = _topk_ids(tl.where(valid, score + bias, -float("inf")), cols, TOP_K, KP)
-                picked = tl.zeros([RB, KP], dtype=tl.float32)
-                for j in tl.static_range(TOP_K):
-                    id_j = tl.sum(tl.where(kcols == j, ids, 0), axis=1)
-                    s_j = tl.sum(tl.where(cols == id_j[:, None], score, 0.0), axis=1)
-                    picked = tl.where(kcols == j, s_j[:, None], picked)
-                weights = picked / (tl.sum(picked, axis=1)[:, None] + 1e-20) * scaling
-                tl.store(ids_ptr + at, ids, mask=kmask)
-                tl.store(weights_ptr + at, weights, mask=kmask)
-            else:
-                ids = tl.load(ids_ptr + at, mask=kmask, other=-1)
-            # sel[t, e]: token t routes to expert e (a token picks an expert at most once;
-            # ids outside [0, E) select nothing).
-            sel = tl.zeros([RB, BE], dtype=tl.int32)
-            for j in tl.static_range(TOP_K):
-                id_j = tl.sum(tl.where(kcols == j, ids, 0), axis=1)
-                sel = tl.where((cols == id_j[:, None]) & live[:, None] & (cols < E), 1, sel)
-            rank = seen[None, :] + tl.cumsum(sel, axis=0) - sel
-            ranks = tl.full([RB, KP], -1, dtype=tl.int32)
-            for j in tl.static_range(TOP_K):
-                id_j = tl.sum(tl.where(kcols == j, ids, 0), axis=1)
-                mine = (cols == id_j[:, None]) & (sel > 0)
-                r_j = tl.sum(tl.where(mine, rank, 0), axis=1)
-                found = tl.max(mine.to(tl.int32), axis=1) > 0
-                ranks = tl.where((kcols == j) & found[:, None], r_j[:, None], ranks)
-            tl.store(route_row_ptr + at, ranks, mask=kmask)
-            seen += tl.sum(sel, axis=0)
-        # The layout: the shared expert's M rows, then each expert's, in expert order.
-        count = seen
+    _quantize_token(x_ptr, xq_ptr, xs_ptr, t, D, stride_xm, UE8M0, QUANT_GROUPS, INTERPRETER)
+    kcols = tl.arange(0, KP)
+    if ROUTE:
+        cols = tl.arange(0, BE)
+        valid = cols < E
+        score = _sigmoid(tl.load(logits_ptr + t * stride_lm + cols, mask=valid, other=0.0),
+                         INTERPRETER)  # fmt: skip
+        bias = tl.load(bias_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+        choice = tl.where(valid, score + bias, -float("inf"))
+        # One max per route: the value's order in the high word, the lower id winning ties
+        # in the low word (a stable descending sort's order).
+        key = (_ordered(choice).to(tl.int64) << 32) | (BE - 1 - cols).to(tl.int64)
+        ids = tl.zeros([KP], dtype=tl.int32)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(key, axis=0)
+            idx = (BE - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
+            ids = tl.where(kcols == j, idx, ids)
+            key = tl.where(cols == idx, -(2**62), key)
+        picked = kcols < TOP_K
+        s = _sigmoid(tl.load(logits_ptr + t * stride_lm + ids, mask=picked, other=0.0),
+                     INTERPRETER)  # fmt: skip
+        s = tl.where(picked, s, 0.0)
+        weights = s / (tl.sum(s, axis=0) + 1e-20) * scaling
+        tl.store(ids_ptr + t * TOP_K + kcols, ids, mask=picked)
+        tl.store(weights_ptr + t * TOP_K + kcols, weights, mask=picked)
+    # Every program's ids are stored before the one thread issuing its arrival.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+    if arrived == M - 1:
+        routes = M * TOP_K
+        r = tl.arange(0, BR)
+        ids = tl.load(ids_ptr + r, mask=r < routes, other=-1, cache_modifier=".cg")
+        ok = (r < routes) & (ids >= 0) & (ids < E)
+        e = tl.where(ok, ids, BE - 1)  # BE > E: bin BE - 1 collects what is not a route
+        experts = tl.arange(0, BE)
+        count = tl.where(experts < E, tl.histogram(e, BE), 0)
+        order = tl.sort((e << 16) | r)  # by expert, then route (= token) order
+        route, pos = order & 0xFFFF, tl.arange(0, BR)
+        routed = (order >> 16) < E
+        tl.store(route_row_ptr + route, tl.where(routed, M + pos, -1), mask=route < routes)
+        tl.store(row_token_ptr + M + pos, route // TOP_K, mask=routed)
+        tl.store(row_token_ptr + r, r, mask=r < M)
+        # Groups: the shared expert's chunks, then each touched expert's, then unused ones.
         chunks = (count + CHUNK - 1) // CHUNK
         row_base = M + tl.cumsum(count, axis=0) - count
         group_base = tl.cdiv(M, CHUNK) + tl.cumsum(chunks, axis=0) - chunks
-        tl.debug_barrier()  # pass 1's stores are visible to every thread of the program
-        # Pass 2: ranks -> rows, and each row's token.
-        for r0 in range(0, M, RB):
-            rows = r0 + tl.arange(0, RB)
-            live = rows < M
-            kmask = live[:, None] & (kcols < TOP_K)
-            at = rows[:, None] * TOP_K + kcols
-            ids = tl.load(ids_ptr + at, mask=kmask, other=-1)
-            ranks = tl.load(route_row_ptr + at, mask=kmask, other=-1)
-            base = tl.zeros([RB, KP], dtype=tl.int32)
-            for j in tl.static_range(TOP_K):
-                id_j = tl.sum(tl.where(kcols == j, ids, 0), axis=1)
-                b_j = tl.sum(tl.where(cols == id_j[:, None], row_base[None, :], 0), axis=1)
-                base = tl.where(kcols == j, b_j[:, None], base)
-            route_row = tl.where(ranks >= 0, base + ranks, -1)
-            tl.store(route_row_ptr + at, route_row, mask=kmask)
-            token = rows[:, None] + tl.zeros([RB, KP], dtype=tl.int32)
-            tl.store(row_token_ptr + route_row, token, mask=kmask & (route_row >= 0))
-            tl.store(row_token_ptr + rows, rows, mask=live)
-        # Groups: the shared expert's chunks, then each touched expert's, then unused ones.
-        e_ids = tl.arange(0, BE)
         for i in tl.static_range(MAX_CHUNKS):
             if i * CHUNK < M:
                 tl.store(group_expert_ptr + i, E)
                 tl.store(group_row_ptr + i, i * CHUNK)
                 tl.store(group_count_ptr + i, tl.minimum(M - i * CHUNK, CHUNK))
-        for i in tl.static_range(MAX_CHUNKS):
             mine = i < chunks
             g = group_base + i
-            tl.store(group_expert_ptr + g, e_ids, mask=mine)
+            tl.store(group_expert_ptr + g, experts, mask=mine)
             tl.store(group_row_ptr + g, row_base + i * CHUNK, mask=mine)
             tl.store(group_count_ptr + g, tl.minimum(count - i * CHUNK, CHUNK), mask=mine)
         used = tl.cdiv(M, CHUNK) + tl.sum(chunks, axis=0)
         for g0 in range(0, G, BE):
-            g = g0 + e_ids
+            g = g0 + experts
             tl.store(group_expert_ptr + g, -1, mask=(g >= used) & (g < G))
+        tl.atomic_xchg(count_ptr, 0)
     if PDL:
         gdc_launch_dependents()
 
