@@ -118,13 +118,18 @@ def reference_layer(x, router_w, bias, logits, experts, shared):
 def sweep(path_ops, router_ops, xs, logits, m: int, floors: dict[str, float]) -> dict:
     """Each launch of the layer timed alone (its inputs left by a full run), at the plan's
     tile and at variants of it: where the time goes, and what the plan should pick."""
-    bufs = []
-    for c, op in enumerate(path_ops):
-        b = op._buffers(xs[c], m, logits[c], None, None, True, None)
-        op._route(b)
-        op._gate_up(b)
-        op._down(b)
-        bufs.append(b)
+
+    def buffers():  # a full run leaves every launch's inputs in place
+        out = []
+        for c, op in enumerate(path_ops):
+            b = op._buffers(xs[c], m, logits[c], None, None, True, None)
+            op._route(b)
+            op._gate_up(b)
+            op._down(b)
+            out.append(b)
+        return out
+
+    bufs = buffers()
     out = {
         "router_us": graph_calls_us(
             [lambda r=r, x=x: r(x) for r, x in zip(router_ops, xs, strict=True)]
@@ -134,15 +139,20 @@ def sweep(path_ops, router_ops, xs, logits, m: int, floors: dict[str, float]) ->
         [lambda op=op, b=b: op._route(b) for op, b in zip(path_ops, bufs, strict=True)]
     )
     variants = {
-        "gate_up": [("bn_gate_up", (16, 32, 64)), ("stages_gate_up", (2, 3, 4, 5)),
-                    ("blocks", (1, 2)), ("warps", (4, 8))],
-        "down": [("bn_down", (32, 64, 128)), ("stages_down", (2, 3, 4, 6)), ("warps", (4, 8))],
+        "gate_up": [("split", (1, 2, 4, 8)), ("stages_gate_up", (2, 3, 4)), ("blocks", (1, 2))],
+        "down": [("tiles_down", (1, 2, 4, 8)), ("stages_down", (2, 3, 4)), ("warps", (4, 8))],
     }  # fmt: skip
     plan = path_ops[0].plans[m]
     for kernel, fields in variants.items():
-        fns = [getattr(op, f"_{kernel}") for op in path_ops]
-        launch = [lambda f=f, b=b: f(b) for f, b in zip(fns, bufs, strict=True)]
-        out[f"{kernel}_us"] = graph_calls_us(launch)
+
+        def timed(iters: int, kernel: str = kernel) -> float:
+            bs = buffers()
+            fns = [getattr(op, f"_{kernel}") for op in path_ops]
+            return graph_calls_us(
+                [lambda f=f, b=b: f(b) for f, b in zip(fns, bs, strict=True)], iters
+            )
+
+        out[f"{kernel}_us"] = timed(15)
         out[f"{kernel}_floor_us"] = floors[kernel]
         tried = []
         for field, values in fields:
@@ -152,12 +162,13 @@ def sweep(path_ops, router_ops, xs, logits, m: int, floors: dict[str, float]) ->
                 for op in path_ops:
                     op.plans[m] = replace(plan, **{field: v})
                 try:
-                    tried.append({field: v, "us": graph_calls_us(launch, iters=7)})
+                    tried.append({field: v, "us": timed(7)})
                 except Exception as e:  # a tile that does not fit: say so, go on
-                    tried.append({field: v, "error": type(e).__name__})
+                    tried.append({field: v, "error": f"{type(e).__name__}: {e}"[:200]})
                 for op in path_ops:
                     op.plans[m] = plan
         out[f"{kernel}_variants"] = tried
+    out["plan"] = vars(plan)
     return out
 
 
