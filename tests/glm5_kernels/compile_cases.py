@@ -15,7 +15,7 @@ from glm5_kernels.gemm.triton_skinny import (
 )
 
 # Pointers and the sizes Triton sees divisible by 16 at real shapes (it specializes on that).
-ALIGNED = {"N", "K", "stride_xm", "stride_om"}
+ALIGNED = {"N", "K", "stride_xm", "stride_om", "D", "I", "stride_lm"}
 INTS = {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_om", "K_TILES")}
 COMMON = {"INTERPRETER": False, "PDL": True, "PREFETCH": 4}
 
@@ -74,6 +74,62 @@ def fp8_cases(arch: int) -> int:
     return n
 
 
+def moe_cases(arch: int) -> int:
+    """The MoE stage's three kernels with the tiles its plans pick at the real shapes (288
+    experts, top-8, hidden 4096; TP 1 and TP 4 ranks; per-route and grouped; 1, 8, 64
+    tokens), each distinct configuration once."""
+    from types import SimpleNamespace
+
+    from glm5_kernels.moe.experts import GroupedExperts, MegaExperts, _pow2
+    from glm5_kernels.moe.triton_moe import down_kernel, gate_up_kernel, route_kernel
+
+    ints = {n: "i32" for n in ("M", "E", "D", "I", "G", "CHUNK", "stride_lm", "stride_xm")}
+    ints |= {n: "i32" for n in ("stride_om", "rows_total")}
+    ints |= {"w_shared": "i64", "ws_shared": "i64", "limit": "fp32", "scaling": "fp32"}
+    ptrs = {"x_ptr": "*bf16", "xq_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "out_ptr": "*bf16"}
+    ptrs |= {n: "*fp32" for n in ("logits_ptr", "bias_ptr", "weights_ptr", "xs_ptr", "rows_ptr")}
+    for n in ("ids_ptr", "route_row_ptr", "group_expert_ptr", "group_row_ptr", "count_ptr"):
+        ptrs[n] = "*i32"
+    ptrs |= {"group_count_ptr": "*i32", "row_token_ptr": "*i32"}
+    seen: set = set()
+    for cls in (MegaExperts, GroupedExperts):
+        for tp in (1, 4):
+            shape = SimpleNamespace(
+                top_k=8, num_experts=288, hidden=4096, inter=2048 // tp,
+                chunk_tokens=cls.chunk_tokens,
+            )  # fmt: skip
+            for m in (1, 8, 64):
+                p = MegaExperts._plan(shape, m, 132)
+                e8m0 = m == 8  # UE8M0 weight scales and activation scales on some cases
+                common = {"INTERPRETER": False, "PDL": True, "SCALE_E8M0": e8m0}
+                act = "*bf16" if p.split == 1 else "*fp32"
+                types = ptrs | ints | {"act_ptr": act, "ws_ptr": "*u8" if e8m0 else "*fp32"}
+                cases = [
+                    (route_kernel, {"MAX_CHUNKS": -(-m // p.chunk), "TOP_K": 8, "KP": 8,
+                                    "BR": max(2, _pow2(m * 8)), "BE": 512, "ROUTE": m != 8,
+                                    "UE8M0": e8m0, "QUANT_GROUPS": 8, "INTERPRETER": False,
+                                    "PDL": True}, 4, 1),
+                    (gate_up_kernel, {"BM": p.bm, "BN": p.bn_gate_up, "KB": p.blocks,
+                                      "SPLIT": p.split, **common}, p.warps, p.stages_gate_up),
+                    (down_kernel, {"BM": p.bm, "BN": p.bn_down, "NT": p.tiles_down,
+                                   "BT": max(2, _pow2(m)), "TOP_K": 8, "SPLIT": p.split,
+                                   "UE8M0": e8m0, "FINALIZE": m != 1, "PREFETCH": 2, **common},
+                     p.warps, p.stages_down),
+                ]  # fmt: skip
+                for kernel, constexprs, warps, stages in cases:
+                    key = (kernel.fn.__name__, tuple(sorted(constexprs.items())), warps, stages)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    ptx = _compile(kernel, types, constexprs, arch, num_warps=warps,
+                                   num_stages=stages)  # fmt: skip
+                    if arch == 90 and kernel is not route_kernel:
+                        assert "wgmma" in ptx and "griddepcontrol.wait" in ptx, key
+    return len(seen)
+
+
 if __name__ == "__main__":
     arch = int(sys.argv[1])
-    print(f"sm{arch}: compiled {bf16_cases(arch) + fp8_cases(arch)} kernels")
+    gemm = bf16_cases(arch) + fp8_cases(arch)
+    print(f"sm{arch}: compiled {gemm} kernels")
+    print(f"sm{arch}: compiled {moe_cases(arch)} MoE kernels")

@@ -1,4 +1,4 @@
-"""The skinny-GEMM Triton kernels compile for SM90 (Hopper) and SM100 (Blackwell) on this CPU
+"""The skinny-GEMM and MoE Triton kernels compile for SM90 (Hopper) and SM100 (Blackwell) on this CPU
 with the launch options the ops use (compile_cases.py): catches a kernel only the interpreter
 accepts, and on SM90 checks the PTX has wgmma, pipelined cp.async weight loads and PDL.
 Under TRITON_INTERPRET=1 kernels cannot compile, so the cases run in a child without it."""
@@ -22,3 +22,4 @@ def test_kernels_compile(arch):
     )
     assert child.returncode == 0, child.stderr[-4000:]
     assert f"sm{arch}: compiled 9 kernels" in child.stdout
+    assert f"sm{arch}: compiled 16 MoE kernels" in child.stdout

@@ -115,9 +115,9 @@ def route_kernel(
     if arrived == M - 1:
         routes = M * TOP_K
         r = tl.arange(0, BR)
-        ids = tl.load(ids_ptr + r, mask=r < routes, other=-1, cache_modifier=".cg")
-        ok = (r < routes) & (ids >= 0) & (ids < E)
-        e = tl.where(ok, ids, BE - 1)  # BE > E: bin BE - 1 collects what is not a route
+        every = tl.load(ids_ptr + r, mask=r < routes, other=-1, cache_modifier=".cg")
+        ok = (r < routes) & (every >= 0) & (every < E)
+        e = tl.where(ok, every, BE - 1)  # BE > E: bin BE - 1 collects what is not a route
         experts = tl.arange(0, BE)
         count = tl.where(experts < E, tl.histogram(e, BE), 0)
         order = tl.sort((e << 16) | r)  # by expert, then route (= token) order
