@@ -129,18 +129,15 @@ def sweep(path_ops, router_ops, xs, logits, m: int, floors: dict[str, float]) ->
             out.append(b)
         return out
 
-    bufs = buffers()
     out = {
         "router_us": graph_calls_us(
             [lambda r=r, x=x: r(x) for r, x in zip(router_ops, xs, strict=True)]
         )
     }
-    out["route_us"] = graph_calls_us(
-        [lambda op=op, b=b: op._route(b) for op, b in zip(path_ops, bufs, strict=True)]
-    )
     variants = {
-        "gate_up": [("split", (1, 2, 4, 8)), ("stages_gate_up", (2, 3, 4)), ("blocks", (1, 2))],
-        "down": [("tiles_down", (1, 2, 4, 8)), ("stages_down", (2, 3, 4)), ("warps", (4, 8))],
+        "route": [("warps_route", (1, 2, 4))],
+        "gate_up": [("stages_gate_up", (2, 3, 4)), ("blocks", (1, 2))],
+        "down": [("tiles_down", (1, 2, 4)), ("stages_down", (2, 3, 4))],
     }  # fmt: skip
     plan = path_ops[0].plans[m]
     for kernel, fields in variants.items():
@@ -153,7 +150,7 @@ def sweep(path_ops, router_ops, xs, logits, m: int, floors: dict[str, float]) ->
             )
 
         out[f"{kernel}_us"] = timed(15)
-        out[f"{kernel}_floor_us"] = floors[kernel]
+        out[f"{kernel}_floor_us"] = floors.get(kernel)
         tried = []
         for field, values in fields:
             for v in values:

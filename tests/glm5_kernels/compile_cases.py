@@ -84,7 +84,7 @@ def moe_cases(arch: int) -> int:
     from glm5_kernels.moe.triton_moe import down_kernel, gate_up_kernel, route_kernel
 
     ints = {n: "i32" for n in ("M", "E", "D", "I", "G", "CHUNK", "stride_lm", "stride_xm")}
-    ints |= {n: "i32" for n in ("stride_om", "rows_total")}
+    ints["stride_om"] = "i32"
     ints |= {"w_shared": "i64", "ws_shared": "i64", "limit": "fp32", "scaling": "fp32"}
     ptrs = {"x_ptr": "*bf16", "xq_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "out_ptr": "*bf16"}
     ptrs |= {n: "*fp32" for n in ("logits_ptr", "bias_ptr", "weights_ptr", "xs_ptr", "rows_ptr")}
@@ -102,17 +102,16 @@ def moe_cases(arch: int) -> int:
                 p = MegaExperts._plan(shape, m, 132)
                 e8m0 = m == 8  # UE8M0 weight scales and activation scales on some cases
                 common = {"INTERPRETER": False, "PDL": True, "SCALE_E8M0": e8m0}
-                act = "*bf16" if p.split == 1 else "*fp32"
-                types = ptrs | ints | {"act_ptr": act, "ws_ptr": "*u8" if e8m0 else "*fp32"}
+                types = ptrs | ints | {"act_ptr": "*bf16", "ws_ptr": "*u8" if e8m0 else "*fp32"}
                 cases = [
                     (route_kernel, {"MAX_CHUNKS": -(-m // p.chunk), "TOP_K": 8, "KP": 8,
                                     "BR": max(2, _pow2(m * 8)), "BE": 512, "ROUTE": m != 8,
                                     "UE8M0": e8m0, "QUANT_GROUPS": 8, "INTERPRETER": False,
-                                    "PDL": True}, 4, 1),
-                    (gate_up_kernel, {"BM": p.bm, "BN": p.bn_gate_up, "KB": p.blocks,
-                                      "SPLIT": p.split, **common}, p.warps, p.stages_gate_up),
+                                    "PDL": True}, p.warps_route, 1),
+                    (gate_up_kernel, {"BM": p.bm, "BN": p.bn_gate_up, "KB": p.blocks, **common},
+                     p.warps, p.stages_gate_up),
                     (down_kernel, {"BM": p.bm, "BN": p.bn_down, "NT": p.tiles_down,
-                                   "BT": max(2, _pow2(m)), "TOP_K": 8, "SPLIT": p.split,
+                                   "BT": max(2, _pow2(m)), "TOP_K": 8,
                                    "UE8M0": e8m0, "FINALIZE": m != 1, "PREFETCH": 2, **common},
                      p.warps, p.stages_down),
                 ]  # fmt: skip

@@ -69,11 +69,11 @@ class _Plan:
     bn_gate_up: int
     bn_down: int
     blocks: int  # gate_up: 128-wide K blocks per pipelined step
-    split: int = 1  # gate_up: K splits (partials summed by down)
     tiles_down: int = 1  # down: BN-wide column tiles per CTA
     stages_gate_up: int = 3
     stages_down: int = 3
     warps: int = 4
+    warps_route: int = 1
 
 
 def _pow2(n: int) -> int:
@@ -138,31 +138,21 @@ class MegaExperts:
 
     def _plan(self, m: int, sms: int) -> _Plan:
         """Tiles from the H200 sweeps of benchmarks/moe_decode.py --sweep (TP 1 / TP 4 ranks):
-        BN 64 everywhere (32 / 16 were 15-80 % slower); gate_up splits K until its CTAs
-        cover the SMs twice at the usual group count (M = 1 at TP 4: 72 CTAs unsplit);
-        down runs ~16 K blocks per CTA (TP 4: 4 column tiles of I = 512) in 3 stages; a
-        64-token tile takes one K block per gate_up step (two overflow shared memory)."""
+        BN 64 (32 / 16: 15-80 % slower); gate_up takes two K blocks per pipelined step in 3
+        stages, one where the tile is 64 tokens (two overflow shared memory) or at 1-2
+        tokens (faster there); down in 3 stages, two column tiles per CTA where I has only
+        4 K blocks (TP 4: 5 % faster at 64 tokens, even at 8)."""
         k, e, d, i = self.top_k, self.num_experts, self.hidden, self.inter
         chunk = m if self.chunk_tokens is None else min(self.chunk_tokens, m)
         # Groups: the shared expert's, one per touched expert, and the extra ones of experts
         # holding more than `chunk` tokens (none when a chunk holds all M).
         groups = -(-m // chunk) + min(e, m * k) + (m * k // chunk if chunk < m else 0)
-        typical = -(-m // chunk) + min(e, m * k)
         bm = max(16, _pow2(chunk))
         bn = next(b for b in (64, 32, 16) if i % b == 0)
-        blocks = 2 if (d // GROUP) % 2 == 0 and bm < 64 else 1
-        split = 1
-        while (
-            i // bn * typical * split < 2 * sms
-            and (d // GROUP) % (2 * split * blocks) == 0
-            and d // GROUP // (2 * split) >= 4
-        ):
-            split *= 2
+        blocks = 2 if (d // GROUP) % 2 == 0 and bm < 64 and m > 2 else 1
         bn_down = next(b for b in (64, 32, 16) if d % b == 0)
-        tiles = 1
-        while (i // GROUP) * tiles < 16 and d % (bn_down * tiles * 2) == 0:
-            tiles *= 2
-        return _Plan(chunk, groups, bm, bn, bn_down, blocks, split, tiles)
+        tiles = 2 if i // GROUP <= 4 and d % (2 * bn_down) == 0 else 1
+        return _Plan(chunk, groups, bm, bn, bn_down, blocks, tiles)
 
     def supports(self, m: int) -> bool:
         return 1 <= m <= self.max_tokens
@@ -250,16 +240,9 @@ class MegaExperts:
             row_token=torch.empty(rows_total, dtype=torch.int32, device=dev),
             xq=torch.empty(m, d, dtype=torch.float8_e4m3fn, device=dev),
             xs=torch.empty(m, d // GROUP, dtype=torch.float32, device=dev),
-            act=torch.empty(*self._act_shape(m, rows_total), dtype=self._act_dtype(m), device=dev),
+            act=torch.empty(rows_total, self.inter, dtype=torch.bfloat16, device=dev),
             rows=torch.empty(rows_total, d, dtype=torch.float32, device=dev),
         )  # fmt: skip
-
-    def _act_shape(self, m: int, rows: int) -> tuple[int, ...]:
-        split = self.plans[m].split
-        return (rows, self.inter) if split == 1 else (split, rows, 2 * self.inter)
-
-    def _act_dtype(self, m: int) -> torch.dtype:
-        return torch.bfloat16 if self.plans[m].split == 1 else torch.float32
 
     def _run(self, x, m, logits, ids, weights, *, finalize: bool, out=None):
         b = self._buffers(x, m, logits, ids, weights, finalize, out)
@@ -281,7 +264,7 @@ class MegaExperts:
             MAX_CHUNKS=-(-m // p.chunk), TOP_K=self.top_k, KP=_pow2(self.top_k),
             BR=max(2, _pow2(m * self.top_k)), BE=_pow2(self.num_experts + 1), ROUTE=b.route,
             UE8M0=self.ue8m0, QUANT_GROUPS=8, INTERPRETER=_interpreting(), PDL=pdl,
-            num_warps=4, launch_pdl=pdl,
+            num_warps=p.warps_route, launch_pdl=pdl,
         )  # fmt: skip
 
     def _gate_up(self, b: SimpleNamespace) -> None:
@@ -289,11 +272,11 @@ class MegaExperts:
 
         p, pdl = self.plans[b.m], _pdl(self._device)
         w13_off, s13_off = self.shared_offsets[:2]
-        gate_up_kernel[(self.inter // p.bn_gate_up, p.groups, p.split)](
+        gate_up_kernel[(self.inter // p.bn_gate_up, p.groups)](
             b.xq, b.xs, self.w13, self.w13_scale, b.act, b.group[0], b.group[1], b.group[2],
             b.row_token, b.m, self.num_experts, self.hidden, self.inter, w13_off, s13_off,
-            self.limit, b.row_token.shape[0],
-            BM=p.bm, BN=p.bn_gate_up, KB=p.blocks, SPLIT=p.split, SCALE_E8M0=self.scale_e8m0,
+            self.limit,
+            BM=p.bm, BN=p.bn_gate_up, KB=p.blocks, SCALE_E8M0=self.scale_e8m0,
             INTERPRETER=_interpreting(), PDL=pdl, num_warps=p.warps,
             num_stages=p.stages_gate_up, launch_pdl=pdl,
         )  # fmt: skip
@@ -307,9 +290,8 @@ class MegaExperts:
         down_kernel[(self.hidden // (p.bn_down * p.tiles_down), p.groups)](
             b.act, self.w2, self.w2_scale, b.rows, out, self._counts, b.group[0], b.group[1],
             b.group[2], b.route_row, b.weights, m, self.num_experts, self.hidden, self.inter,
-            w2_off, s2_off, out.stride(0), p.groups, self.limit, b.row_token.shape[0],
+            w2_off, s2_off, out.stride(0), p.groups,
             BM=p.bm, BN=p.bn_down, NT=p.tiles_down, BT=max(2, _pow2(m)), TOP_K=self.top_k,
-            SPLIT=p.split,
             SCALE_E8M0=self.scale_e8m0, UE8M0=self.ue8m0, FINALIZE=b.finalize,
             INTERPRETER=_interpreting(), PDL=pdl, PREFETCH=2 if pdl else 0,
             num_warps=p.warps, num_stages=p.stages_down, launch_pdl=pdl,
