@@ -188,6 +188,7 @@ def main() -> None:
     parser.add_argument("--routing", default="uniform,zipf")
     parser.add_argument("--reference-tokens", default="1,8",
                         help="token counts the (slow) torch reference is timed at")  # fmt: skip
+    parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--sweep", action="store_true", help="time each launch and tile variants")
     parser.add_argument("--out")
     parser.add_argument("--commit", help="the code's commit, where this tree's git lacks it")
@@ -221,6 +222,7 @@ def main() -> None:
             path: [cls(w13, s13, w2, s2, bias=bias, shared=shared[c], top_k=K,
                        routed_scaling=SCALING, swiglu_limit=LIMIT) for c in range(COPIES)]
             for path, cls in PATHS.items()
+            if path in args.paths.split(",")
         }  # fmt: skip
         router_ops = [Router(w) for w in routers]
         for routing in args.routing.split(","):
