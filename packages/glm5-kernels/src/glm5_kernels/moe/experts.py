@@ -73,7 +73,7 @@ class _Plan:
     stages_gate_up: int = 3
     stages_down: int = 3
     warps: int = 4
-    warps_route: int = 1
+    warps_route: int = 4
 
 
 def _pow2(n: int) -> int:
@@ -137,11 +137,12 @@ class MegaExperts:
         self._ready: set[int] = set()
 
     def _plan(self, m: int, sms: int) -> _Plan:
-        """Tiles from the H200 sweeps of benchmarks/moe_decode.py --sweep (TP 1 / TP 4 ranks):
-        BN 64 (32 / 16: 15-80 % slower); gate_up takes two K blocks per pipelined step in 3
-        stages, one where the tile is 64 tokens (two overflow shared memory) or at 1-2
-        tokens (faster there); down in 3 stages, two column tiles per CTA where I has only
-        4 K blocks (TP 4: 5 % faster at 64 tokens, even at 8)."""
+        """Tiles from the H200 sweeps of benchmarks/moe_decode.py --sweep (TP 4 rank, 1-64
+        tokens): BN 64 (32 / 16: 15-80 % slower); gate_up takes two K blocks per pipelined
+        step in 3 stages (one: 5-25 % slower, 2 or 4 stages: 5-70 %), one where the tile is
+        64 tokens (two overflow shared memory); down in 3 stages, one column tile per CTA,
+        two where I has only 4 K blocks and the groups are many (64 tokens: 5 % faster, at
+        1-8 tokens 1-10 % slower); routing on 4 warps (one: 25 % slower)."""
         k, e, d, i = self.top_k, self.num_experts, self.hidden, self.inter
         chunk = m if self.chunk_tokens is None else min(self.chunk_tokens, m)
         # Groups: the shared expert's, one per touched expert, and the extra ones of experts
@@ -149,9 +150,9 @@ class MegaExperts:
         groups = -(-m // chunk) + min(e, m * k) + (m * k // chunk if chunk < m else 0)
         bm = max(16, _pow2(chunk))
         bn = next(b for b in (64, 32, 16) if i % b == 0)
-        blocks = 2 if (d // GROUP) % 2 == 0 and bm < 64 and m > 2 else 1
+        blocks = 2 if (d // GROUP) % 2 == 0 and bm < 64 else 1
         bn_down = next(b for b in (64, 32, 16) if d % b == 0)
-        tiles = 2 if i // GROUP <= 4 and d % (2 * bn_down) == 0 else 1
+        tiles = 2 if i // GROUP <= 4 and m > 16 and d % (2 * bn_down) == 0 else 1
         return _Plan(chunk, groups, bm, bn, bn_down, blocks, tiles)
 
     def supports(self, m: int) -> bool:
