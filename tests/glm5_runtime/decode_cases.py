@@ -3,16 +3,21 @@ and `shadow`, which makes each stage op also run the stock op it replaces on the
 
 import torch
 
+# The MoE stage: per-route at 1-4 tokens, grouped at 5-16 and 33-64 (16-token groups cut
+# there), stock router + shared expert ops at 17-32.
 ALL_STAGES = {
-    stage: {"1-64": choice}
-    for stage, choice in [
-        ("dsa_proj", "split_k"),
-        ("kda_proj", "gemm"),
-        ("router", "split_k"),
-        ("shared_expert", "gemv"),
-        ("dense_mlp", "gemv"),
-        ("logits_head", "skinny"),
-    ]
+    "moe": {"1-4": "per_route", "5-16": "grouped", "33-64": "grouped"},
+    **{
+        stage: {"1-64": choice}
+        for stage, choice in [
+            ("dsa_proj", "split_k"),
+            ("kda_proj", "gemm"),
+            ("router", "split_k"),
+            ("shared_expert", "gemv"),
+            ("dense_mlp", "gemv"),
+            ("logits_head", "skinny"),
+        ]
+    },
 }
 
 # Per-call bounds against the stock op on the same input: BF16 output rounding (2^-9 rms, with
@@ -21,7 +26,12 @@ ALL_STAGES = {
 # codes, no averaging over rows) thousands of replays reach 2.7e-2 on the H200. Their bound is
 # 2^-4: every intermediate code half an e4m3 step off. glm5-kernels' own tests check the two
 # GEMMs apart, tightly; here a wrong weight or row (error ~1) is what must not pass.
-CALL_BOUND = {"Projection": 4e-3, "Router": 1e-5, "SharedExpert": 2**-4, "DenseMlp": 2**-4}
+# The MoE layer: the same FP8 MLP bound on its routed + shared sum (whose routing is exact:
+# the tests' models route every token to every expert).
+CALL_BOUND = {
+    "Projection": 4e-3, "Router": 1e-5, "SharedExpert": 2**-4, "DenseMlp": 2**-4,
+    "MoeLayer": 2**-4,
+}  # fmt: skip
 
 
 def rel_tensor(a, b):
@@ -48,7 +58,9 @@ class Shadow:
         y = self.op(x)
         routes, self.rank.routes = self.rank.routes, {}  # the stock op, this once
         try:
-            if self.name.endswith(".gate.weight"):
+            if type(self.op).__name__ == "MoeLayer":  # the whole MoE layer: "layers.{i}.mlp"
+                ref = self.rank.moe(int(self.name.split(".")[1]), x)
+            elif self.name.endswith(".gate.weight"):
                 ref = torch.nn.functional.linear(x.float(), self.rank.w[self.name].float())
             elif self.name.endswith(".weight"):
                 ref = self.rank.linear(x, self.name)

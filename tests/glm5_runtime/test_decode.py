@@ -69,9 +69,9 @@ def test_planned_steps_equal_stock(q):
     stock, spec, fp32 = models = [_model(g, dtype, q=q, requests=q) for dtype in dtypes]
     decode = _decoder(spec, q=q, sizes=[1, q, q * q])
     pairs = []
-    routed = shadow(decode, spec, pairs)
+    shadow(decode, spec, pairs)
     kinds = {op.__class__.__name__ for op, _ in decode.ops}
-    assert kinds == {"Projection", "Router", "SharedExpert", "DenseMlp"}
+    assert kinds == {"Projection", "Router", "SharedExpert", "DenseMlp", "MoeLayer"}
     assert decode.batches == [q, q * q]
 
     def planned(tokens, step):
@@ -97,6 +97,7 @@ def test_planned_steps_equal_stock(q):
         h_stock = stock.forward(requests, tokens, verify=verify)
         h_spec = spec.forward(requests, tokens, verify=verify, run=planned)
         h_fp32 = fp32.forward(requests, tokens, verify=verify)
+        routed = {name for _, name, _ in decode.routes[q * t]}
         assert {name for _, name, _, _ in pairs} == routed  # every stage op ran
         check_calls(pairs, calls)
         pairs.clear()
@@ -147,9 +148,10 @@ def test_stage_that_cannot_build_warns_once_and_runs_stock(caplog):
     with caplog.at_level(logging.WARNING, logger="glm5_runtime"):
         decode = _decoder(model)
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warned) == 2, warned
+    assert len(warned) == 3, warned
     assert any("shared_expert runs stock" in w for w in warned)
     assert any("dense_mlp runs stock" in w for w in warned)
+    assert any("moe runs stock" in w for w in warned)
     kinds = {op.__class__.__name__ for op, _ in decode.ops}
     assert kinds == {"Projection", "Router"}  # the BF16 stages still build
     routed = {name for _, name, _ in decode.routes[2]}
@@ -157,7 +159,8 @@ def test_stage_that_cannot_build_warns_once_and_runs_stock(caplog):
 
 
 def test_stage_that_cannot_compile_warns_once_and_runs_stock(caplog, monkeypatch):
-    """A kernel that fails in prepare() (a compile error) takes its whole stage to stock."""
+    """A kernel that fails in prepare() (a compile error) takes its whole stage to stock
+    (the MoE stage too: its layer op runs a Router)."""
     from glm5_kernels.gemm import Router
 
     def broken(self, tokens):
@@ -168,14 +171,16 @@ def test_stage_that_cannot_compile_warns_once_and_runs_stock(caplog, monkeypatch
     decode = SpecializedDecode(ReferenceBackbone(model), config)
     monkeypatch.setattr(Router, "prepare", broken)
     with caplog.at_level(logging.WARNING, logger="glm5_runtime"):
-        assert decode.prepare() == {"router"}
+        assert decode.prepare() == {"router", "moe"}
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warned == [
-        "Specialized decode: stage router runs stock (RuntimeError: ptxas: out of registers)"
+        f"Specialized decode: stage {s} runs stock (RuntimeError: ptxas: out of registers)"
+        for s in ("router", "moe")
     ]
     kinds = {op.__class__.__name__ for op, _ in decode.ops}
-    assert kinds == {"Projection", "SharedExpert", "DenseMlp"}
+    assert kinds == {"Projection", "SharedExpert", "DenseMlp"}  # shared experts: served again
     assert not any(name.endswith(".gate.weight") for _, name, _ in decode.routes[2])
+    assert not any(type(op).__name__ == "MoeLayer" for _, _, op in decode.routes[2])
     assert decode.head  # the other stages are untouched
 
 
@@ -190,7 +195,8 @@ def test_draft_steps_equal_stock():
     draft = SpecializedDraft(ReferenceBackbone(spec), config)
     draft.prepare()
     kinds = {op.__class__.__name__ for op, _ in draft.ops}
-    assert kinds == {"Projection", "Router", "SharedExpert"}
+    assert kinds == {"Projection", "Router", "SharedExpert", "MoeLayer"}
+    assert not any(type(op).__name__ == "Router" for _, _, op in draft.routes[2])  # in MoE
     routed = {name for _, name, _ in draft.routes[2]}
     assert f"layers.{g.num_hidden_layers}.eh_proj.weight" in routed
     pairs = []

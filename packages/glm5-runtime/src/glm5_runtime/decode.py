@@ -3,7 +3,9 @@ every layer's stages in one loop, captured once per token count in a FULL CUDA g
 
 Stages come from the policy per stage and token count. The ones built today are
 glm5-kernels' skinny GEMMs: `dsa_proj` (MLA / indexer projections), `kda_proj` (KDA q/k/v),
-`router`, `shared_expert`, `dense_mlp` and `logits_head`. They stand in for the backbone's
+`router`, `shared_expert`, `dense_mlp` and `logits_head`; and its MoE stage `moe` (the
+whole MoE layer, router to sum, in four launches: where it serves a token count, the
+`router` and `shared_expert` ops of MoE layers are not used). They stand in for the backbone's
 stock ops through its routes while a planned step of a token count they serve runs, so the
 layer loop reads like the model's and every op without a stage is the backbone's own. A
 stage that cannot be built logs one warning and its ops stay stock. No fused boundary
@@ -21,6 +23,7 @@ import torch
 from torch import Tensor
 
 from glm5_kernels.gemm import DenseMlp, Projection, Router, SharedExpert
+from glm5_kernels.moe import GroupedExperts, MegaExperts, MoeLayer
 from glm5_policy import DecodeConfig, Policy
 
 from .plan import Plan, Step, StepContext, plan
@@ -59,11 +62,16 @@ class LayerStages:
         self.routes: dict[int, list[tuple[int, str, Any]]] = {b: [] for b in self.batches}
         self.ops: list[tuple[Any, list[int]]] = []  # (op, its token counts) to prepare
         self.stage_of: dict[int, str] = {}  # id(op) -> its policy stage
+        # (stage, shard, stock op names, token counts): ops of other stages that `stage`
+        # runs inside its own; their routes go once `stage` has compiled.
+        self.supersedes: list[tuple[str, int, set[str], list[int]]] = []
         self._build("dsa_proj", self._projections("mla", DSA_PROJECTIONS))
         self._build("kda_proj", self._projections("kda", KDA_PROJECTIONS))
         self._build("router", self._routers)
         self._build("shared_expert", self._mlps("moe", "mlp.shared_experts", SharedExpert))
         self._build("dense_mlp", self._mlps("dense", "mlp", DenseMlp))
+        # After router / shared_expert: where it serves a token count, it is the whole layer.
+        self._build("moe", self._moe)
 
     def _build(self, stage: str, build: Callable[[list[int]], None], choice=None) -> None:
         """Build one stage for the token counts the policy gives it (`choice`: only those
@@ -73,11 +81,12 @@ class LayerStages:
         if not tokens:
             return
         routes, ops = {b: list(r) for b, r in self.routes.items()}, list(self.ops)
+        supersedes = list(self.supersedes)
         self._stage = stage
         try:
             build(tokens)
         except Exception as e:  # any kernel build problem: the stock op is always right
-            self.routes, self.ops = routes, ops
+            self.routes, self.ops, self.supersedes = routes, ops, supersedes
             error = f"{type(e).__name__}: {e}"
             logger.warning("Specialized decode: stage %s runs stock (%s)", stage, error)
 
@@ -133,6 +142,43 @@ class LayerStages:
 
         return build
 
+    def _moe(self, tokens: list[int]) -> None:
+        """Each MoE layer as one op (router, routing, routed + shared experts, summed): four
+        launches, the experts cut per the policy's choice at each token count."""
+        b = self.backbone
+        if b.routing is None:
+            raise ValueError("the backbone's MoE routing is not GLM's (Backbone.routing)")
+        choice = {m: self.policy("moe", m) for m in tokens}
+        for layer in (x for x in self.layers if x.mlp == "moe"):
+            for shard in b.shards:
+                p = f"layers.{layer.index}.mlp"
+                e, se = f"{p}.experts", f"{p}.shared_experts"
+                names = [
+                    f"{p}.gate.weight", f"{p}.gate.e_score_correction_bias",
+                    f"{e}.gate_up_proj", f"{e}.gate_up_proj_scale_inv",
+                    f"{e}.down_proj", f"{e}.down_proj_scale_inv",
+                    *(f"{se}.{n}_proj.weight{s}" for n in ("gate", "up", "down")
+                      for s in ("", "_scale_inv")),
+                ]  # fmt: skip
+                w = [b.weight(shard, name) for name in names]
+                missing = [name for name, t in zip(names, w, strict=True) if t is None]
+                if missing:
+                    raise ValueError(f"{p}: no {', '.join(missing)} (block-FP8 experts expected)")
+                router, bias, w13, s13, w2, s2, g, gs, u, us, d, ds = w
+                shared = (_stacked(g, u), _stacked(gs, us), d, ds)
+                kinds = {"per_route": MegaExperts, "grouped": GroupedExperts}
+                ops = {
+                    kind: cls(
+                        w13, s13, w2, s2, bias=bias, shared=shared,
+                        top_k=b.routing.top_k, routed_scaling=b.routing.routed_scaling,
+                        swiglu_limit=b.swiglu_limit, ue8m0=b.ue8m0,
+                    )
+                    for kind, cls in kinds.items() if kind in choice.values()
+                }  # fmt: skip
+                op = MoeLayer(Router(router), {m: ops[c] for m, c in choice.items()})
+                self._add(op, tokens, shard, p)
+                self.supersedes.append(("moe", shard, {f"{p}.gate.weight", se}, tokens))
+
     def prepare(self) -> set[str]:
         """Compile every stage op for its token counts (before any CUDA-graph capture). A
         stage whose kernels fail to compile warns once and runs stock; returns those stages."""
@@ -149,6 +195,12 @@ class LayerStages:
         gone = {id(op) for op, _ in self.ops if self.stage_of[id(op)] in failed}
         self.ops = [(op, t) for op, t in self.ops if id(op) not in gone]
         self.routes = {b: [r for r in rs if id(r[2]) not in gone] for b, rs in self.routes.items()}
+        # The routes a compiled stage runs inside its own ops (left where it failed).
+        for stage, shard, names, tokens in self.supersedes:
+            if stage not in failed:
+                for m in tokens:
+                    self.routes[m] = [r for r in self.routes[m] if (r[0], r[1]) not in
+                                      {(shard, n) for n in names}]  # fmt: skip
         return set(failed)
 
     @contextmanager

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .plan import Rows
 
-__all__ = ["Backbone", "Layer", "Route"]
+__all__ = ["Backbone", "Layer", "Route", "Routing"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,16 @@ class Layer:
     index: int
     attention: str
     mlp: str
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The MoE routing GLM-5.3-Flash uses, which the MoE stage implements: sigmoid scores, a
+    correction bias that only steers the choice, top_k of the routed experts in one group,
+    the chosen scores renormalized and × routed_scaling."""
+
+    top_k: int
+    routed_scaling: float
 
 
 class Route(Protocol):
@@ -47,6 +57,13 @@ class Backbone(Protocol):
     hidden_size: int
     swiglu_limit: float
     ue8m0: bool  # FP8 activation scales rounded to powers of two (DeepGEMM's E8M0 mode)
+    # The MoE layers' routing where it is GLM's (`Routing`), None where the backbone routes
+    # otherwise (another scoring, grouped top-k, expert parallelism): then the MoE stage
+    # leaves every MoE layer stock. An MoE layer's weights: its router `mlp.gate.weight`
+    # [E, D] BF16 and `mlp.gate.e_score_correction_bias` [E]; `mlp.experts.gate_up_proj`
+    # [E, 2I, D] (each expert's gate rows, then its up rows) and `mlp.experts.down_proj`
+    # [E, D, I], block-FP8 with `<name>_scale_inv` beside; the shared expert as an MLP.
+    routing: Routing | None
     aux_layers: tuple[int, ...]  # layers whose hidden states a drafter collects
     # Attention weights holding several HF projections in one tensor, as the backbone runs
     # them: fused name (under a layer's `self_attn.`) -> the projections in it a stage may

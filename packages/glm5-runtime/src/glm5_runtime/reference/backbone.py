@@ -14,7 +14,7 @@ from glm5_kernels.mhc import hc_expand_ref, hc_head_ref, hc_post_ref
 from glm5_kernels.norm import rms_norm_ref
 
 from ..plan import Rows
-from ..protocol import Layer
+from ..protocol import Layer, Routing
 from .model import ReferenceModel
 from .stages import Step, reduce
 
@@ -38,6 +38,7 @@ class ReferenceBackbone:
         self.shards = list(range(len(model.ranks)))
         self.hidden_size, self.swiglu_limit = g.hidden_size, g.swiglu_limit
         self.ue8m0 = model.ranks[0].ue8m0
+        self.routing = Routing(g.num_experts_per_tok, g.routed_scaling_factor)
         self.draft_layers = [Layer(i, "mla", "moe") for i in model.mtp_layers]
         self._topk: Tensor | None = None  # the last full indexer layer's selection this step
 

@@ -9,6 +9,7 @@ torch references as the one spec per op; matmuls of BF16 weights run in BF16 as
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -318,6 +319,9 @@ class RankStages:
 
     def moe(self, layer: int, x: Tensor) -> Tensor:
         g, m = self.g, f"layers.{layer}.mlp"
+        routed = self._routed(m, x)  # the whole layer as one stage op (router to sum)
+        if routed is not None:
+            return routed
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, ids = route_ref(
@@ -336,47 +340,66 @@ class RankStages:
         return F.linear(x.float(), self.w[name].float()) if logits is None else logits
 
     def experts(self, prefix: str, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
-        """x [N, D] BF16, ids / weights [N, k] -> the routed experts' weighted sum [N, D] FP32."""
-        experts = experts_ref
-        if x.is_cuda:  # capturable: every expert once, or each token's k experts
-            dense = self.g.n_routed_experts <= x.shape[0] * self.g.num_experts_per_tok
-            experts = _experts_dense if dense else _experts_by_slot
-        return experts(
-            x,
-            self.w[f"{prefix}.gate_up_proj"],
-            self.w[f"{prefix}.down_proj"],
-            ids,
-            weights,
-            self.g.swiglu_limit,
-            self.w.get(f"{prefix}.gate_up_proj_scale_inv"),
-            self.w.get(f"{prefix}.down_proj_scale_inv"),
-        )
+        """x [N, D] BF16, ids / weights [N, k] -> the routed experts' weighted sum [N, D] FP32.
+        With fp8_activations, vLLM's block-FP8 numerics: each expert's input and SwiGLU
+        quantized per token in 1x128 groups, FP32 products, the gate_up output in BF16."""
+        w13, w2 = self.w[f"{prefix}.gate_up_proj"], self.w[f"{prefix}.down_proj"]
+        s13, s2 = (self.w.get(f"{prefix}.{n}_proj_scale_inv") for n in ("gate_up", "down"))
+        limit = self.g.swiglu_limit
+        if not x.is_cuda and not self.fp8_activations:
+            return experts_ref(x, w13, w2, ids, weights, limit, s13, s2)
+        quant = partial(_fake_quant, ue8m0=self.ue8m0) if self.fp8_activations else None
+        # Capturable: every expert once, or each token's k experts.
+        dense = self.g.n_routed_experts <= x.shape[0] * self.g.num_experts_per_tok
+        experts = _experts_dense if dense else _experts_by_slot
+        return experts(x, w13, w2, ids, weights, limit, s13, s2, quant)
 
 
-def _experts_by_slot(x, w13, w2, ids, weights, limit, w13_scale, w2_scale) -> Tensor:
+def _fake_quant(x: Tensor, ue8m0: bool) -> Tensor:
+    """x [N, K] -> FP32 values of its per-token 1x128 FP8 quantization."""
+    q, sx = quantize_tokens_fp8_ref(x, ue8m0)
+    return (q.float().view(x.shape[0], -1, 128) * sx[..., None]).view(x.shape)
+
+
+def _expert(x, up, down, limit, quant):
+    """One expert's SwiGLU MLP on rows x [N, D] (up [2I, D] / down [D, I], or one per row
+    [N, 2I, D] / [N, D, I]): in x's dtype with weights dequantized to it (transformers'), or
+    with `quant` vLLM's FP8 sequence in FP32 -> FP32 rows [N, D]."""
+
+    def mm(w, v):
+        return v @ w.T if w.dim() == 2 else torch.bmm(w, v[:, :, None]).squeeze(-1)
+
+    if quant is None:
+        h = swiglu_ref(mm(up, x).float(), limit).to(x.dtype)
+        return mm(down, h).float()
+    a = swiglu_ref(mm(up, quant(x)).to(x.dtype).float(), limit).to(x.dtype)
+    return mm(down, quant(a))
+
+
+def _experts_by_slot(x, w13, w2, ids, weights, limit, w13_scale, w2_scale, quant=None) -> Tensor:
     """`experts_ref` without host syncs or data-dependent shapes, so a CUDA graph can
     capture it: each of the k route slots gathers its experts' FP8 weights per token."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    dtype = x.dtype if quant is None else torch.float32
     for j in range(ids.shape[1]):
         e = ids[:, j]
-        up = dequantize_fp8_block_ref(w13[e], w13_scale[e], dtype=x.dtype)  # [N, 2I, D]
-        h = swiglu_ref(torch.bmm(up, x[:, :, None]).squeeze(-1).float(), limit).to(x.dtype)
-        down = dequantize_fp8_block_ref(w2[e], w2_scale[e], dtype=x.dtype)  # [N, D, I]
-        out += torch.bmm(down, h[:, :, None]).squeeze(-1).float() * weights[:, j : j + 1]
+        up = dequantize_fp8_block_ref(w13[e], w13_scale[e], dtype=dtype)  # [N, 2I, D]
+        down = dequantize_fp8_block_ref(w2[e], w2_scale[e], dtype=dtype)  # [N, D, I]
+        out += _expert(x, up, down, limit, quant) * weights[:, j : j + 1]
     return out
 
 
-def _experts_dense(x, w13, w2, ids, weights, limit, w13_scale, w2_scale) -> Tensor:
+def _experts_dense(x, w13, w2, ids, weights, limit, w13_scale, w2_scale, quant=None) -> Tensor:
     """`_experts_by_slot`'s numbers with each expert's weights dequantized once and run on
     every token (weighted 0 where it is not routed): cheaper when there are fewer experts
     than (token, slot) pairs, as in the tests' 16-expert models."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    dtype = x.dtype if quant is None else torch.float32
     for e in range(w13.shape[0]):
         combine = (weights * (ids == e)).sum(-1, keepdim=True).float()  # [N, 1]
-        up = dequantize_fp8_block_ref(w13[e], w13_scale[e], dtype=x.dtype)  # [2I, D]
-        h = swiglu_ref((x @ up.T).float(), limit).to(x.dtype)
-        down = dequantize_fp8_block_ref(w2[e], w2_scale[e], dtype=x.dtype)  # [D, I]
-        out += (h @ down.T).float() * combine
+        up = dequantize_fp8_block_ref(w13[e], w13_scale[e], dtype=dtype)  # [2I, D]
+        down = dequantize_fp8_block_ref(w2[e], w2_scale[e], dtype=dtype)  # [D, I]
+        out += _expert(x, up, down, limit, quant) * combine
     return out
 
 
