@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glm5_runtime.plan import Rows, StepContext
-from glm5_runtime.protocol import Layer
+from glm5_runtime.protocol import Layer, Routing
 
-from .layouts import Layout, linear_layout
+from .layouts import Layout, expert_layout, linear_layout
 
 __all__ = ["VllmBackbone", "VllmDraftBackbone", "VllmStep"]
 
@@ -46,6 +46,13 @@ FUSED = {
     "up_proj": ("gate_up_proj", 1),
 }
 BLOCK = 128  # FP8 block-scale granularity
+# The MoE stage's names for a FusedMoE's stacked expert tensors (w13 = [gate; up] per expert).
+EXPERT_TENSORS = {
+    "gate_up_proj": "w13_weight",
+    "gate_up_proj_scale_inv": "w13_weight_scale_inv",
+    "down_proj": "w2_weight",
+    "down_proj_scale_inv": "w2_weight_scale_inv",
+}
 # The attention's fused modules and the HF projections they hold (the protocol's
 # `fused_projections`): one GEMM over q_a | kv_a and over q | k | v | b | f_a | g_a is what
 # vLLM runs, and what a stage serving all of them runs too (H200, one token, TP 4: one
@@ -81,6 +88,8 @@ class VllmBackbone:
         self.swiglu_limit = float(config.swiglu_limit)
         self.ue8m0 = _ue8m0_activations()
         self.aux_layers, self.layers, self.draft_layers = self._layer_lists()
+        blocks = [l.index for l in (*self.layers, *self.draft_layers) if l.mlp == "moe"]
+        self.routing = _routing(config, [self._module(f"layers.{i}.mlp") for i in blocks])
         self._hc = config.hc_mult
         self._routes: dict[nn.Module, dict[int | None, Any]] = {}
         # Layouts no stage reads -> the modules (vLLM names) whose weights were asked for.
@@ -117,6 +126,9 @@ class VllmBackbone:
         return None if module is None else (module, None, leaf)
 
     def weight(self, shard: int, name: str) -> Tensor | None:
+        base, _, leaf = name.rpartition(".")
+        if base.endswith(".mlp.experts") and leaf in EXPERT_TENSORS:
+            return self._expert_tensor(base, EXPERT_TENSORS[leaf])
         found = self._locate(name)
         if found is None:
             return None
@@ -138,6 +150,18 @@ class VllmBackbone:
                 return None
             return tensor[start // BLOCK : -(-end // BLOCK)]
         return tensor[start:end]
+
+    def _expert_tensor(self, path: str, attr: str) -> Tensor | None:
+        """A FusedMoE's stacked expert tensor, in a layout the MoE stage reads or None."""
+        module = self._module(path)
+        if module is None:
+            return None
+        layout = expert_layout(module)
+        if not layout.served:
+            self._refuse(layout, module)
+            return None
+        tensor = getattr(getattr(module, "routed_experts", module), attr, None)
+        return tensor.data if isinstance(tensor, Tensor) else None
 
     def _refuse(self, layout: Layout, module: nn.Module) -> None:
         names = self.refused.setdefault(layout, [])
@@ -313,6 +337,8 @@ def _routed_forward(module: nn.Module, ops: dict[int | None, Any]):
     out_dtype = getattr(module, "out_dtype", None)
     if linear:
         reduce = tp > 1 and getattr(module, "reduce_results", False)
+    elif hasattr(module, "experts"):  # an MoE block: vLLM's returns routed + shared reduced
+        reduce = tp > 1
     else:  # an MLP block ends in its down_proj
         reduce = tp > 1 and getattr(module.down_proj, "reduce_results", False)
 
@@ -338,6 +364,25 @@ def _routed_forward(module: nn.Module, ops: dict[int | None, Any]):
         return finish(torch.cat(parts, dim=-1))
 
     return fused
+
+
+def _routing(config, blocks: list[nn.Module | None]) -> Routing | None:
+    """GLM's routing where vLLM runs it as the MoE stage does (sigmoid scores with the
+    correction bias, one expert group, renormalized, the shared expert its own module, no
+    expert or sequence parallelism); None otherwise: the MoE stage then stays off."""
+    glm = (
+        getattr(config, "scoring_func", "sigmoid") == "sigmoid"
+        and getattr(config, "topk_method", "noaux_tc") == "noaux_tc"
+        and getattr(config, "n_group", 1) in (1, None)
+        and getattr(config, "norm_topk_prob", True)
+    )
+    for block in blocks:
+        glm = glm and block is not None and not getattr(block, "is_sequence_parallel", False)
+        glm = glm and getattr(block, "ep_size", 1) == 1 and block.shared_experts is not None
+        glm = glm and getattr(block.gate, "e_score_correction_bias", None) is not None
+    if not glm:
+        return None
+    return Routing(int(config.num_experts_per_tok), float(config.routed_scaling_factor))
 
 
 def _is_linear(module: nn.Module) -> bool:

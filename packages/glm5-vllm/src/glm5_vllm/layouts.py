@@ -103,9 +103,9 @@ def linear_layout(module: nn.Module) -> Layout:
 
 
 def expert_layout(experts: nn.Module) -> Layout:
-    """The layout of a FusedMoE's w13 [E, 2I, H] / w2 [E, H, I] (no stage reads routed experts
-    yet; the MoE stage reads them through this). [gate; up] and [up; gate] share every shape,
-    so the row order comes from the backend vLLM picked, never from the tensors."""
+    """The layout of a FusedMoE's w13 [E, 2I, H] / w2 [E, H, I], as the MoE stage reads them
+    (BF16 is identified too; the stage itself refuses it). [gate; up] and [up; gate] share
+    every shape, so the row order comes from the backend vLLM picked, never the tensors."""
     # vLLM 0.33's FusedMoE factory holds the weights and quant method in `routed_experts`.
     experts = getattr(experts, "routed_experts", experts)
     method = getattr(experts, "quant_method", None)
