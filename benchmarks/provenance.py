@@ -16,7 +16,7 @@ def provenance(benchmark: str, args: argparse.Namespace) -> dict:
     (a working tree copied without its git history has none)."""
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     flags = " ".join(
-        f"--{k}" if v is True else f"--{k} {v}"
+        f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')} {v}"
         for k, v in vars(args).items()
         if v not in (None, "", False) and k not in ("out", "commit")
     )
