@@ -30,7 +30,7 @@ import time
 from dataclasses import replace
 
 import torch
-from provenance import provenance, write_result
+from provenance import provenance, result_args, write_result
 
 from glm5_kernels.gemm import Router, quantize_tokens_fp8_ref
 from glm5_kernels.gemm.library import block_fp8_supported, router_library, scaled_mm_block
@@ -190,9 +190,7 @@ def main() -> None:
                         help="token counts the (slow) torch reference is timed at")  # fmt: skip
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--sweep", action="store_true", help="time each launch and tile variants")
-    parser.add_argument("--out")
-    parser.add_argument("--commit", help="the code's commit, where this tree's git lacks it")
-    parser.add_argument("--table", metavar="JSON", help="print a results file as markdown")
+    result_args(parser)
     args = parser.parse_args()
     if args.table:
         print(table(args.table))

@@ -30,6 +30,15 @@ def provenance(benchmark: str, args: argparse.Namespace) -> dict:
     }
 
 
+def result_args(parser: argparse.ArgumentParser, table: bool = True) -> None:
+    """The options every benchmark takes: where its JSON goes, the code's commit, and (with
+    a `table(path)` of its own) printing a results file as markdown instead of running."""
+    parser.add_argument("--out")
+    parser.add_argument("--commit", help="the code's commit, where this tree's git lacks it")
+    if table:
+        parser.add_argument("--table", metavar="JSON", help="print a results file as markdown")
+
+
 def write_result(path: str | None, result: dict) -> None:
     if path:
         with open(path, "w") as f:

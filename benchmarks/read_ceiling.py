@@ -38,7 +38,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, str(Path(__file__).parent))
-from provenance import provenance, write_result
+from provenance import provenance, result_args, write_result
 from skinny_gemm import copies_for
 
 from glm5_kernels.gemm import Projection
@@ -158,8 +158,7 @@ def chain_ceilings(sms: int, peak: float, l2: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out")
-    parser.add_argument("--commit", help="the code's commit, where this tree's git lacks it")
+    result_args(parser, table=False)
     parser.add_argument("--chains", action="store_true",
                         help="time the ops' launch chains instead of the single reads")  # fmt: skip
     args = parser.parse_args()

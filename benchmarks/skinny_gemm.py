@@ -23,7 +23,7 @@ import time
 from dataclasses import replace
 
 import torch
-from provenance import provenance, write_result
+from provenance import provenance, result_args, write_result
 
 from glm5_kernels.gemm import (
     DenseMlp,
@@ -132,9 +132,7 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,2,4,8,16,32,64")
     parser.add_argument("--ops", default="", help="comma-separated op names (default: all)")
     parser.add_argument("--sweep", action="store_true", help="also time alternative tiles")
-    parser.add_argument("--out")
-    parser.add_argument("--commit", help="the code's commit, where this tree's git lacks it")
-    parser.add_argument("--table", metavar="JSON", help="print a results file as markdown")
+    result_args(parser)
     args = parser.parse_args()
     if args.table:
         print(table(args.table))
