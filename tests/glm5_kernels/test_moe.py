@@ -150,3 +150,25 @@ def test_every_tile_gives_the_same_rows(change, weights):
     assert_rows_close(rows.rows, rows.route_row, x, rows.ids, rows.weights, weights[0],
                       LIMIT, weights[1])  # fmt: skip
     assert_same_sum(op.finalized(x, logits), want)
+
+
+@interpreter
+def test_sentinel_ids_inside_capture_contribute_nothing(weights, monkeypatch):
+    """Inside CUDA-graph capture (no host sync to check ids) an id outside [0, E) routes
+    nowhere: its row is -1 and the sums skip it, as experts_ref skips expert-parallel ids."""
+    import glm5_kernels.moe.experts as experts
+
+    m = 3
+    gen = torch.Generator().manual_seed(9)
+    op = _op(MegaExperts, weights, torch.zeros(E))
+    x = torch.randn(m, D, generator=gen).bfloat16()
+    ids = torch.tensor([[0, 1, 2, E], [4, 5, 6, 7], [-1, 9, 10, 11]], dtype=torch.int32)
+    w = torch.rand(m, K, generator=gen)
+    monkeypatch.setattr(experts, "_capturing", lambda: True)
+    rows = op.routed(x, ids, w)
+    assert (rows.route_row[ids < 0] == -1).all() and (rows.route_row[ids >= E] == -1).all()
+    valid = (ids >= 0) & (ids < E)
+    assert rows.route_row[valid].unique().numel() == int(valid.sum())
+    kept = torch.where(valid, w, 0.0)  # the same sum with those routes weighted 0
+    want = op.routed(x, torch.where(valid, ids, 3), kept, finalize=True)
+    assert_same_sum(op.routed(x, ids, w, finalize=True), want)

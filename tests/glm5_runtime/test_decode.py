@@ -256,3 +256,19 @@ def test_gate_up_is_read_in_place_where_the_backbone_holds_it_merged():
         both = _stacked(a, b)  # apart (the checkpoint's), or not adjacent: a copy
         assert torch.equal(both, torch.cat([a, b]))
         assert both.untyped_storage().data_ptr() != merged.untyped_storage().data_ptr()
+
+
+def test_moe_stage_needs_glms_routing(caplog):
+    """A backbone whose MoE layers route otherwise (`routing` None) keeps them stock."""
+    model = _model(_small())
+    backbone = ReferenceBackbone(model)
+    backbone.routing = None
+    config = DecodeConfig.build(max_context=64, q=Q, capture_sizes=SIZES, policy=ALL_STAGES)
+    with caplog.at_level(logging.WARNING, logger="glm5_runtime"):
+        decode = SpecializedDecode(backbone, config)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [
+        "Specialized decode: stage moe runs stock (ValueError: the backbone's MoE routing is "
+        "not GLM's (Backbone.routing))"
+    ]
+    assert not any(type(op).__name__ == "MoeLayer" for op, _ in decode.ops)
