@@ -177,8 +177,6 @@ def test_routing_other_than_glms_leaves_the_moe_stage_off(built, fp8_blocks, cap
     for field, value in (("scoring_func", "softmax"), ("n_group", 8), ("norm_topk_prob", False)):
         with mock.patch.object(model.config, field, value, create=True):
             assert _routing(model.config, blocks) is None, field
-    blocks[0].ep_size = 2  # expert parallelism: this rank holds a slice of the experts
-    try:
-        assert _routing(model.config, blocks) is None
-    finally:
-        blocks[0].ep_size = 1
+    for field, value in (("ep_size", 2), ("enable_eplb", True), ("is_sequence_parallel", True)):
+        with mock.patch.object(blocks[0], field, value):  # expert / sequence parallelism
+            assert _routing(model.config, blocks) is None, field

@@ -369,7 +369,8 @@ def _routed_forward(module: nn.Module, ops: dict[int | None, Any]):
 def _routing(config, blocks: list[nn.Module | None]) -> Routing | None:
     """GLM's routing where vLLM runs it as the MoE stage does (sigmoid scores with the
     correction bias, one expert group, renormalized, the shared expert its own module, no
-    expert or sequence parallelism); None otherwise: the MoE stage then stays off."""
+    expert or sequence parallelism, no redundant experts (EPLB: ids would not index the
+    weights)); None otherwise: the MoE stage then stays off."""
     glm = (
         getattr(config, "scoring_func", "sigmoid") == "sigmoid"
         and getattr(config, "topk_method", "noaux_tc") == "noaux_tc"
@@ -379,6 +380,7 @@ def _routing(config, blocks: list[nn.Module | None]) -> Routing | None:
     for block in blocks:
         glm = glm and block is not None and not getattr(block, "is_sequence_parallel", False)
         glm = glm and getattr(block, "ep_size", 1) == 1 and block.shared_experts is not None
+        glm = glm and not getattr(block, "enable_eplb", False)
         glm = glm and getattr(block.gate, "e_score_correction_bias", None) is not None
     if not glm:
         return None
