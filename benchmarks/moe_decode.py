@@ -32,7 +32,7 @@ from dataclasses import replace
 import torch
 from provenance import provenance, result_args, write_result
 
-from glm5_kernels.gemm import Router, quantize_tokens_fp8_ref
+from glm5_kernels.gemm import Router, SharedExpert, quantize_tokens_fp8_ref
 from glm5_kernels.gemm.library import block_fp8_supported, router_library, scaled_mm_block
 from glm5_kernels.moe import GroupedExperts, MegaExperts, route_ref, swiglu_ref
 from glm5_kernels.quant import dequantize_fp8_block_ref, quantize_fp8_block_ref
@@ -40,7 +40,9 @@ from glm5_kernels.timing import graph_calls_us, hbm_bandwidth
 
 E, D, K, LIMIT, SCALING, INTER = 288, 4096, 8, 10.0, 2.5, 2048
 COPIES = 8  # routings / router / shared-expert copies cycled through per graph
-PATHS = {"per_route": MegaExperts, "grouped": GroupedExperts}
+# per_route_side: MegaExperts without the shared expert, which runs beside them on a second
+# stream inside the graph (gemm.SharedExpert), added at the end.
+PATHS = {"per_route": MegaExperts, "grouped": GroupedExperts, "per_route_side": MegaExperts}
 
 
 def fp8_stack(count: int, n: int, k: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,6 +171,29 @@ def sweep(path_ops, router_ops, xs, logits, m: int, floors: dict[str, float]) ->
     return out
 
 
+def side(path: str) -> bool:
+    return path.endswith("_side")
+
+
+def layer_call(router, experts, shared_mlp, stream, x, logits):
+    """One MoE layer's call with the routing `logits` fix (the router still runs): the
+    shared expert inside the experts' launches, or (`shared_mlp`) beside them on `stream`."""
+
+    def run():
+        if shared_mlp is None:
+            return router(x), experts.finalized(x, logits)
+        main = torch.cuda.current_stream()
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            s = shared_mlp(x)
+        router(x)
+        y = experts.finalized(x, logits)
+        main.wait_stream(stream)
+        return None, y + s
+
+    return run
+
+
 def launches(fn) -> int | None:
     from glm5_runtime.bench import graph_nodes
 
@@ -217,11 +242,14 @@ def main() -> None:
         bias = torch.zeros(E, device="cuda")
         expert_bytes = w13[0].nbytes + s13[0].nbytes + w2[0].nbytes + s2[0].nbytes
         ops = {
-            path: [cls(w13, s13, w2, s2, bias=bias, shared=shared[c], top_k=K,
-                       routed_scaling=SCALING, swiglu_limit=LIMIT) for c in range(COPIES)]
+            path: [cls(w13, s13, w2, s2, bias=bias, shared=None if side(path) else shared[c],
+                       top_k=K, routed_scaling=SCALING, swiglu_limit=LIMIT)
+                   for c in range(COPIES)]
             for path, cls in PATHS.items()
             if path in args.paths.split(",")
         }  # fmt: skip
+        beside = [SharedExpert(*s, swiglu_limit=LIMIT) for s in shared]
+        stream = torch.cuda.Stream()
         router_ops = [Router(w) for w in routers]
         for routing in args.routing.split(","):
             for m in (int(t) for t in args.tokens.split(",")):
@@ -247,14 +275,12 @@ def main() -> None:
                     for c, op in enumerate(path_ops):
                         router_ops[c].prepare([m])
                         op.prepare([m])
-
+                        beside[c].prepare([m])
                     fns = [
-                        lambda r=router_ops[c], op=op, x=xs[c], g=logits[c]: (
-                            r(x),
-                            op.finalized(x, g),
-                        )
+                        layer_call(router_ops[c], op, beside[c] if side(path) else None, stream,
+                                   xs[c], logits[c])
                         for c, op in enumerate(path_ops)
-                    ]
+                    ]  # fmt: skip
                     got = fns[0]()[1].double()
                     err = ((got - want).norm() / want.norm()).item()
                     us = graph_calls_us(fns)
@@ -297,7 +323,8 @@ def table(path: str) -> str:
     """Markdown: us (floor ratio) per path, per tp / routing / M."""
     with open(path) as f:
         result = json.load(f)
-    paths = ["per_route", "grouped", "library", "reference"]
+    paths = [p for p in (*PATHS, "library", "reference")
+             if any(r["path"] == p for r in result["rows"])]  # fmt: skip
     lines = [
         f"{result['gpu']}, {result['date']}, commit {result['commit']}: µs per MoE layer "
         "(× HBM floor); launches per layer in brackets",

@@ -96,7 +96,7 @@ def moe_cases(arch: int) -> int:
         for tp in (1, 4):
             shape = SimpleNamespace(
                 top_k=8, num_experts=288, hidden=4096, inter=2048 // tp,
-                chunk_tokens=cls.chunk_tokens,
+                chunk_tokens=cls.chunk_tokens, shared=True,
             )  # fmt: skip
             for m in (1, 8, 64):
                 p = MegaExperts._plan(shape, m, 132)
@@ -107,14 +107,18 @@ def moe_cases(arch: int) -> int:
                     (route_kernel, {"MAX_CHUNKS": -(-m // p.chunk), "TOP_K": 8, "KP": 8,
                                     "BR": max(2, _pow2(m * 8)), "BE": 512, "ROUTE": m != 8,
                                     "UE8M0": e8m0, "QUANT_GROUPS": 8, "INTERPRETER": False,
-                                    "PDL": True}, p.warps_route, 1),
+                                    "PDL": True, "SHARED": True}, p.warps_route, 1),
                     (gate_up_kernel, {"BM": p.bm, "BN": p.bn_gate_up, "KB": p.blocks, **common},
                      p.warps, p.stages_gate_up),
                     (down_kernel, {"BM": p.bm, "BN": p.bn_down, "NT": p.tiles_down,
                                    "BT": max(2, _pow2(m)), "TOP_K": 8,
-                                   "UE8M0": e8m0, "FINALIZE": m != 1, "PREFETCH": 2, **common},
+                                   "UE8M0": e8m0, "FINALIZE": m != 1, "PREFETCH": 2, "SHARED": True,
+                                   **common},
                      p.warps, p.stages_down),
                 ]  # fmt: skip
+                if m == 8 and tp == 4:  # the shared expert beside the launches (shared=None)
+                    cases += [(k, {**c, "SHARED": False}, w, st) for k, c, w, st in cases
+                              if k is not gate_up_kernel]  # fmt: skip
                 for kernel, constexprs, warps, stages in cases:
                     key = (kernel.fn.__name__, tuple(sorted(constexprs.items())), warps, stages)
                     if key in seen:

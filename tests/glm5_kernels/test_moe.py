@@ -18,7 +18,7 @@ from moe_cases import (
     routings,
 )
 
-from glm5_kernels.moe import GroupedExperts, MegaExperts, MoeRows
+from glm5_kernels.moe import GroupedExperts, MegaExperts, MoeRows, moe_rows_ref
 
 interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1"
@@ -172,3 +172,35 @@ def test_sentinel_ids_inside_capture_contribute_nothing(weights, monkeypatch):
     kept = torch.where(valid, w, 0.0)  # the same sum with those routes weighted 0
     want = op.routed(x, torch.where(valid, ids, 3), kept, finalize=True)
     assert_same_sum(op.routed(x, ids, w, finalize=True), want)
+
+
+@interpreter
+def test_shared_expert_beside_the_routed_ones(weights):
+    """shared=None: routed rows only (route rows as the reference's), finalized without the
+    shared expert; MoeLayer(shared_mlp=SharedExpert) adds it from its own kernels, equal to
+    the shared expert as one more group within a BF16 rounding."""
+    from glm5_kernels.gemm import Router, SharedExpert
+    from glm5_kernels.moe import MoeLayer
+
+    m = 5
+    gen = torch.Generator().manual_seed(13)
+    w, e8m0 = weights
+    x = torch.randn(m, D, generator=gen).bfloat16()
+    router = Router((torch.randn(E, D, generator=gen) / D**0.5).bfloat16())
+    together = _op(MegaExperts, weights, torch.zeros(E))
+    apart = MegaExperts(*w[:4], bias=torch.zeros(E), shared=None, top_k=K,
+                        routed_scaling=SCALING, swiglu_limit=LIMIT, ue8m0=e8m0)  # fmt: skip
+    assert apart.plans[m].groups == together.plans[m].groups - 1
+    logits = router(x)
+    rows = apart(x, logits)
+    assert rows.rows.shape[0] == m * K and not rows.shared
+    ref = moe_rows_ref(x, rows.ids.long(), *w[:4], w[4], LIMIT, e8m0)[:, 1:].double()
+    got = torch.stack([rows.rows[rows.route_row[:, j].long()] for j in range(K)], 1).double()
+    assert (got - ref).norm() <= 1.5e-2 * ref.norm()
+    assert_same_sum(apart.finalized(x, logits), rows.finalize())
+    shared = SharedExpert(*w[4], swiglu_limit=LIMIT, ue8m0=e8m0)
+    beside = MoeLayer(router, {m: apart}, shared_mlp=shared)
+    beside.prepare([m])
+    assert_same_sum(beside(x), MoeLayer(router, {m: together})(x))
+    with pytest.raises(ValueError, match="exactly one"):
+        MoeLayer(router, {m: together}, shared_mlp=shared)

@@ -38,19 +38,20 @@ GROUP = 128
 class MoeRows:
     """The MoE output before the weighted sum, for a consumer that fuses it (a boundary).
 
-    rows [M + M·k, D] FP32: rows 0..M-1 are the shared expert's output for tokens 0..M-1;
-    then one unweighted row per (token, route), grouped by expert. route_row [M, k] int32:
-    the row of each token's route j (-1: an id outside [0, E), which contributes nothing).
-    weights [M, k] FP32: the route weights (renormalized, × routed_scaling). ids [M, k]
-    int32: the experts."""
+    rows [M·k (+ M), D] FP32: with `shared`, rows 0..M-1 are the shared expert's output for
+    tokens 0..M-1; then one unweighted row per (token, route), grouped by expert. route_row
+    [M, k] int32: the row of each token's route j (-1: an id outside [0, E), which
+    contributes nothing). weights [M, k] FP32: the route weights (renormalized, × routed
+    scaling). ids [M, k] int32: the experts."""
 
     rows: Tensor
     route_row: Tensor
     weights: Tensor
     ids: Tensor
+    shared: bool = True
 
     def finalize(self) -> Tensor:
-        """[M, D] BF16: BF16(Σ_j weights[:, j] · rows[route_row[:, j]]) + BF16(shared rows),
+        """[M, D] BF16: BF16(Σ_j weights[:, j] · rows[route_row[:, j]]) (+ BF16(shared rows)),
         the routes summed in order j = 0..k-1 (as the fused finalization does)."""
         m = self.route_row.shape[0]
         routed = torch.zeros(m, self.rows.shape[1], dtype=torch.float32, device=self.rows.device)
@@ -58,6 +59,8 @@ class MoeRows:
             r = self.route_row[:, j].long()
             y = self.rows[r.clamp(min=0)] * (r >= 0)[:, None]
             routed += self.weights[:, j : j + 1] * y
+        if not self.shared:
+            return routed.bfloat16()
         return (routed.bfloat16().float() + self.rows[:m].bfloat16().float()).bfloat16()
 
 
@@ -86,8 +89,10 @@ class MegaExperts:
     w13 [E, 2I, D] e4m3 (each expert's gate rows, then its up rows), w13_scale [E, 2I/128,
     D/128]; w2 [E, D, I] e4m3, w2_scale [E, D/128, I/128]; scales FP32 or float8_e8m0fnu
     (UE8M0). `shared`: the shared expert's (w13 [2I, D], w13_scale, w2 [D, I], w2_scale), the
-    same dtypes. `bias`: e_score_correction_bias [E]. `ue8m0`: activation scales rounded up
-    to powers of two (DeepGEMM's E8M0 mode). Weights are read in place, never copied.
+    same dtypes, run as one more expert of the same launches (None: routed experts only, for a
+    shared expert run beside them, `MoeLayer(shared_mlp=...)`). `bias`:
+    e_score_correction_bias [E]. `ue8m0`: activation scales rounded up to powers of two
+    (DeepGEMM's E8M0 mode). Weights are read in place, never copied.
     """
 
     chunk_tokens: int | None = None  # tokens per group (None: all of an expert's tokens)
@@ -100,7 +105,7 @@ class MegaExperts:
         w2_scale: Tensor,
         *,
         bias: Tensor,
-        shared: tuple[Tensor, Tensor, Tensor, Tensor],
+        shared: tuple[Tensor, Tensor, Tensor, Tensor] | None,
         top_k: int,
         routed_scaling: float,
         swiglu_limit: float,
@@ -122,12 +127,15 @@ class MegaExperts:
         self.scale_e8m0 = e8m0
         raw = (lambda s: s.view(torch.uint8)) if e8m0 else (lambda s: s)
         self.w13_scale, self.w2_scale = raw(w13_scale), raw(w2_scale)
-        sw13, ss13, sw2, ss2 = shared
-        # The shared expert's tensors as element offsets from the routed stacks' bases.
-        self.shared_offsets = tuple(
-            _offset(base, t) for base, t in
-            ((w13, sw13), (self.w13_scale, raw(ss13)), (w2, sw2), (self.w2_scale, raw(ss2)))
-        )  # fmt: skip
+        self.shared = shared is not None
+        self.shared_offsets = (0, 0, 0, 0)
+        if shared is not None:
+            sw13, ss13, sw2, ss2 = shared
+            # The shared expert's tensors as element offsets from the routed stacks' bases.
+            self.shared_offsets = tuple(
+                _offset(base, t) for base, t in
+                ((w13, sw13), (self.w13_scale, raw(ss13)), (w2, sw2), (self.w2_scale, raw(ss2)))
+            )  # fmt: skip
         self._shared = shared  # kept alive: the kernels read it through the offsets
         self._device = w13.device
         sms = _sms(self._device)
@@ -147,7 +155,8 @@ class MegaExperts:
         chunk = m if self.chunk_tokens is None else min(self.chunk_tokens, m)
         # Groups: the shared expert's, one per touched expert, and the extra ones of experts
         # holding more than `chunk` tokens (none when a chunk holds all M).
-        groups = -(-m // chunk) + min(e, m * k) + (m * k // chunk if chunk < m else 0)
+        shared = -(-m // chunk) if self.shared else 0
+        groups = shared + min(e, m * k) + (m * k // chunk if chunk < m else 0)
         bm = max(16, _pow2(chunk))
         bn = next(b for b in (64, 32, 16) if i % b == 0)
         blocks = 2 if (d // GROUP) % 2 == 0 and bm < 64 else 1
@@ -230,7 +239,7 @@ class MegaExperts:
         if routed_here:
             ids = torch.empty(m, k, dtype=torch.int32, device=dev)
             weights = torch.empty(m, k, dtype=torch.float32, device=dev)
-        rows_total = m + m * k
+        rows_total = m * k + (m if self.shared else 0)
         if finalize and out is None:
             out = torch.empty(m, d, dtype=torch.bfloat16, device=dev)
         return SimpleNamespace(
@@ -250,7 +259,7 @@ class MegaExperts:
         self._route(b)
         self._gate_up(b)
         self._down(b)
-        return MoeRows(b.rows, b.route_row, b.weights, b.ids), b.out
+        return MoeRows(b.rows, b.route_row, b.weights, b.ids, self.shared), b.out
 
     def _route(self, b: SimpleNamespace) -> None:
         from .triton_moe import route_kernel
@@ -265,7 +274,7 @@ class MegaExperts:
             MAX_CHUNKS=-(-m // p.chunk), TOP_K=self.top_k, KP=_pow2(self.top_k),
             BR=max(2, _pow2(m * self.top_k)), BE=_pow2(self.num_experts + 1), ROUTE=b.route,
             UE8M0=self.ue8m0, QUANT_GROUPS=8, INTERPRETER=_interpreting(), PDL=pdl,
-            num_warps=p.warps_route, launch_pdl=pdl,
+            SHARED=self.shared, num_warps=p.warps_route, launch_pdl=pdl,
         )  # fmt: skip
 
     def _gate_up(self, b: SimpleNamespace) -> None:
@@ -294,7 +303,7 @@ class MegaExperts:
             w2_off, s2_off, out.stride(0), p.groups,
             BM=p.bm, BN=p.bn_down, NT=p.tiles_down, BT=max(2, _pow2(m)), TOP_K=self.top_k,
             SCALE_E8M0=self.scale_e8m0, UE8M0=self.ue8m0, FINALIZE=b.finalize,
-            INTERPRETER=_interpreting(), PDL=pdl, PREFETCH=2 if pdl else 0,
+            INTERPRETER=_interpreting(), PDL=pdl, PREFETCH=2 if pdl else 0, SHARED=self.shared,
             num_warps=p.warps, num_stages=p.stages_down, launch_pdl=pdl,
         )  # fmt: skip
 
@@ -308,10 +317,19 @@ class GroupedExperts(MegaExperts):
 class MoeLayer:
     """A whole MoE layer's decode for the token counts it serves: the BF16 router (split-K,
     FP32 logits), then the experts op the policy picked for that count, finalized: x [M, D]
-    BF16 -> routed + shared output [M, D] BF16 (this rank's TP-partial)."""
+    BF16 -> routed + shared output [M, D] BF16 (this rank's TP-partial).
 
-    def __init__(self, router: Router, experts: dict[int, MegaExperts]):
-        self.router, self.experts = router, dict(experts)
+    `shared_mlp` (a `gemm.SharedExpert`, with experts built `shared=None`): the shared expert
+    runs on a second stream beside the router and routed experts (forked and joined inside
+    a CUDA graph as well) and is added at the end — the seed's other way to run it, for the
+    benchmark to weigh against one more group of the same launches."""
+
+    def __init__(self, router: Router, experts: dict[int, MegaExperts], shared_mlp=None):
+        if any(op.shared == (shared_mlp is not None) for op in experts.values()):
+            raise ValueError("MoeLayer: the shared expert belongs either to the experts op "
+                             "(shared=...) or to shared_mlp, exactly one")  # fmt: skip
+        self.router, self.experts, self.shared_mlp = router, dict(experts), shared_mlp
+        self._stream = None
 
     def supports(self, m: int) -> bool:
         return m in self.experts
@@ -319,11 +337,26 @@ class MoeLayer:
     def prepare(self, tokens: Iterable[int]) -> None:
         tokens = list(tokens)
         self.router.prepare(tokens)
+        if self.shared_mlp is not None:
+            self.shared_mlp.prepare(tokens)
         for m in tokens:
             self.experts[m].prepare([m])
 
     def __call__(self, x: Tensor) -> Tensor:
-        return self.experts[x.shape[0]].finalized(x, self.router(x))
+        experts = self.experts[x.shape[0]]
+        if self.shared_mlp is None:
+            return experts.finalized(x, self.router(x))
+        if not x.is_cuda:
+            return experts.finalized(x, self.router(x)) + self.shared_mlp(x)
+        main = torch.cuda.current_stream(x.device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(x.device)
+        self._stream.wait_stream(main)
+        with torch.cuda.stream(self._stream):
+            shared = self.shared_mlp(x)
+        routed = experts.finalized(x, self.router(x))
+        main.wait_stream(self._stream)
+        return routed + shared  # BF16 + BF16: the stock sum's rounding
 
 
 def _capturing() -> bool:
@@ -355,8 +388,9 @@ def _check_weights(name, w13, s13, w2, s2, bias, shared, top_k, limit, max_token
     if isinstance(shared, tuple) and len(shared) == 4:
         for n, t in zip(("w13", "w13_scale", "w2", "w2_scale"), shared, strict=True):
             want[f"shared {n}"] = (t, want[n][1][1:], want[n][2])
-    else:
-        problems.append("shared: expected (w13, w13_scale, w2, w2_scale) of the shared expert")
+    elif shared is not None:
+        problems.append("shared: expected (w13, w13_scale, w2, w2_scale) of the shared expert "
+                        "or None")  # fmt: skip
     for n, (t, shape, dtype) in want.items():
         if tuple(t.shape) != shape or not t.is_contiguous():
             problems.append(f"{n}: shape {tuple(t.shape)}, expected contiguous {shape}")

@@ -76,11 +76,12 @@ def route_kernel(
     MAX_CHUNKS: tl.constexpr,  # >= the groups one expert can need: ceil(M / CHUNK)
     TOP_K: tl.constexpr, KP: tl.constexpr, BR: tl.constexpr, BE: tl.constexpr,
     ROUTE: tl.constexpr, UE8M0: tl.constexpr, QUANT_GROUPS: tl.constexpr,
-    INTERPRETER: tl.constexpr, PDL: tl.constexpr,
+    INTERPRETER: tl.constexpr, PDL: tl.constexpr, SHARED: tl.constexpr = True,
 ):  # fmt: skip
     """Program t quantizes token t and picks its routes; the last to finish lays them out:
-    sorted by (expert, route), route r of expert e is row M + its position (the shared
-    expert holds rows 0..M-1), so each expert's rows are contiguous and in token order."""
+    sorted by (expert, route), route r of expert e is row S + its position (SHARED: the
+    shared expert holds rows 0..M-1 and the first groups, S = M; else S = 0), so each
+    expert's rows are contiguous and in token order."""
     t = tl.program_id(0)
     if PDL:
         gdc_wait()
@@ -123,15 +124,18 @@ def route_kernel(
         order = tl.sort((e << 16) | r)  # by expert, then route (= token) order
         route, pos = order & 0xFFFF, tl.arange(0, BR)
         routed = (order >> 16) < E
-        tl.store(route_row_ptr + route, tl.where(routed, M + pos, -1), mask=route < routes)
-        tl.store(row_token_ptr + M + pos, route // TOP_K, mask=routed)
-        tl.store(row_token_ptr + r, r, mask=r < M)
+        s0 = M if SHARED else 0  # the routes' first row
+        tl.store(route_row_ptr + route, tl.where(routed, s0 + pos, -1), mask=route < routes)
+        tl.store(row_token_ptr + s0 + pos, route // TOP_K, mask=routed)
+        if SHARED:
+            tl.store(row_token_ptr + r, r, mask=r < M)
         # Groups: the shared expert's chunks, then each touched expert's, then unused ones.
         chunks = (count + CHUNK - 1) // CHUNK
-        row_base = M + tl.cumsum(count, axis=0) - count
-        group_base = tl.cdiv(M, CHUNK) + tl.cumsum(chunks, axis=0) - chunks
+        row_base = s0 + tl.cumsum(count, axis=0) - count
+        g0 = tl.cdiv(M, CHUNK) if SHARED else 0  # the routed experts' first group
+        group_base = g0 + tl.cumsum(chunks, axis=0) - chunks
         for i in tl.static_range(MAX_CHUNKS):
-            if i * CHUNK < M:
+            if SHARED and i * CHUNK < M:
                 tl.store(group_expert_ptr + i, E)
                 tl.store(group_row_ptr + i, i * CHUNK)
                 tl.store(group_count_ptr + i, tl.minimum(M - i * CHUNK, CHUNK))
@@ -140,9 +144,9 @@ def route_kernel(
             tl.store(group_expert_ptr + g, experts, mask=mine)
             tl.store(group_row_ptr + g, row_base + i * CHUNK, mask=mine)
             tl.store(group_count_ptr + g, tl.minimum(count - i * CHUNK, CHUNK), mask=mine)
-        used = tl.cdiv(M, CHUNK) + tl.sum(chunks, axis=0)
-        for g0 in range(0, G, BE):
-            g = g0 + experts
+        used = g0 + tl.sum(chunks, axis=0)
+        for unused in range(0, G, BE):
+            g = unused + experts
             tl.store(group_expert_ptr + g, -1, mask=(g >= used) & (g < G))
         tl.atomic_xchg(count_ptr, 0)
     if PDL:
@@ -238,6 +242,7 @@ def down_kernel(
     BM: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr, BT: tl.constexpr,
     TOP_K: tl.constexpr, SCALE_E8M0: tl.constexpr, UE8M0: tl.constexpr,
     FINALIZE: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    SHARED: tl.constexpr = True,
 ):  # fmt: skip
     """A CTA owns NT column tiles of BN, run as one flattened loop: with I = 512 (TP 4) one
     tile is only 4 K blocks."""
@@ -299,13 +304,14 @@ def down_kernel(
                         other=0.0, cache_modifier=".cg",
                     )  # fmt: skip
                     routed += w[:, None] * y
-                shared = tl.load(
-                    rows_ptr + tokens[:, None] * D + offs_n[None, :], mask=live[:, None],
-                    other=0.0, cache_modifier=".cg",
-                )  # fmt: skip
                 # The stock sum: routed output in BF16 plus the shared expert's BF16 output.
                 total = _narrow(routed, tl.bfloat16, INTERPRETER).to(tl.float32)
-                total += _narrow(shared, tl.bfloat16, INTERPRETER).to(tl.float32)
+                if SHARED:
+                    shared = tl.load(
+                        rows_ptr + tokens[:, None] * D + offs_n[None, :], mask=live[:, None],
+                        other=0.0, cache_modifier=".cg",
+                    )  # fmt: skip
+                    total += _narrow(shared, tl.bfloat16, INTERPRETER).to(tl.float32)
                 out = out_ptr + tokens[:, None] * stride_om + offs_n[None, :]
                 tl.store(out, _narrow(total, tl.bfloat16, INTERPRETER), mask=live[:, None])
             tl.atomic_xchg(count_ptr + pid_n, 0)
