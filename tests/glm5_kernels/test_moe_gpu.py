@@ -100,3 +100,31 @@ def test_graph_capture_and_unprepared_tokens(stage):
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="M=8 was not prepared"), torch.cuda.graph(graph):
         fresh.finalized(x, logits)
+
+
+def test_shared_expert_beside_in_a_graph(stage):
+    """MoeLayer(shared_mlp=...): the shared expert on a second stream, forked and joined
+    inside the CUDA graph; equal to the shared expert as one more group within a BF16
+    rounding, and the graph replays what the eager call computed."""
+    from glm5_kernels.gemm import SharedExpert
+
+    w, e8m0, bias, ops = stage
+    gen = torch.Generator("cuda").manual_seed(6)
+    router = Router((torch.randn(E, D, generator=gen, device="cuda") / D**0.5).bfloat16())
+    apart = MegaExperts(*w[:4], bias=bias, shared=None, top_k=K, routed_scaling=SCALING,
+                        swiglu_limit=LIMIT, ue8m0=e8m0)  # fmt: skip
+    shared = SharedExpert(*w[4], swiglu_limit=LIMIT, ue8m0=e8m0)
+    beside = MoeLayer(router, {1: apart, 8: apart}, shared_mlp=shared)
+    together = MoeLayer(router, {1: ops[MegaExperts], 8: ops[MegaExperts]})
+    beside.prepare([1, 8])
+    together.prepare([1, 8])
+    for m in (1, 8):
+        x = torch.randn(m, D, generator=gen, device="cuda").bfloat16()
+        eager = beside(x)
+        assert_same_sum(eager, together(x))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = beside(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, eager), m
