@@ -33,7 +33,7 @@ import torch
 from provenance import provenance, result_args, write_result
 
 from glm5_kernels.gemm import Router, SharedExpert, quantize_tokens_fp8_ref
-from glm5_kernels.gemm.library import block_fp8_supported, router_library, scaled_mm_block
+from glm5_kernels.gemm.library import block_fp8_supported, fp8_mlp_library, router_library
 from glm5_kernels.moe import GroupedExperts, MegaExperts, route_ref, swiglu_ref
 from glm5_kernels.quant import dequantize_fp8_block_ref, quantize_fp8_block_ref
 from glm5_kernels.timing import graph_calls_us, hbm_bandwidth
@@ -68,12 +68,6 @@ def logits_for(routing: str, m: int, gen) -> torch.Tensor:
     return logits
 
 
-def expert_library(xq, sx, w13, s13, w2, s2) -> torch.Tensor:
-    h = scaled_mm_block(xq, sx, w13, s13)
-    aq, sa = quantize_tokens_fp8_ref(swiglu_ref(h.float(), LIMIT).to(torch.bfloat16))
-    return scaled_mm_block(aq, sa, w2, s2)
-
-
 def library_layer(x, router_w, bias, logits, experts, shared):
     """The library stock for one call; `logits` fixes the routing the host planned for."""
     w13, s13, w2, s2 = experts
@@ -89,10 +83,10 @@ def library_layer(x, router_w, bias, logits, experts, shared):
         xq, sx = quantize_tokens_fp8_ref(x)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e, tok in plan:
-            y = expert_library(xq[tok], sx[tok], w13[e], s13[e], w2[e], s2[e])
+            y = fp8_mlp_library(xq[tok], sx[tok], w13[e], s13[e], w2[e], s2[e], LIMIT)
             combine = (weights[tok] * (ids[tok] == e)).sum(-1, keepdim=True)
             out.index_add_(0, tok, y.float() * combine)
-        return (out.bfloat16() + expert_library(xq, sx, *shared)).bfloat16()
+        return (out.bfloat16() + fp8_mlp_library(xq, sx, *shared, LIMIT)).bfloat16()
 
     return run, len(plan)
 
@@ -100,7 +94,7 @@ def library_layer(x, router_w, bias, logits, experts, shared):
 def reference_layer(x, router_w, bias, logits, experts, shared):
     """The runtime's stock MoE (weights dequantized per route, or per expert once there are
     more routes than experts) with the routing `logits` fix."""
-    from glm5_runtime.reference.stages import _experts_by_slot, _experts_dense
+    from glm5_runtime.reference.stages import stock_experts
 
     w13, s13, w2, s2 = experts
     sw13, ss13, sw2, ss2 = shared
@@ -108,8 +102,7 @@ def reference_layer(x, router_w, bias, logits, experts, shared):
     def run():
         x.float() @ router_w.float().T  # the reference router (its logits replaced)
         weights, ids = route_ref(logits, bias, K, SCALING)
-        fn = _experts_dense if x.shape[0] * K >= E else _experts_by_slot
-        routed = fn(x, w13, w2, ids, weights, LIMIT, s13, s2)
+        routed = stock_experts(x, w13, w2, ids, weights, LIMIT, s13, s2)
         h = swiglu_ref(x @ dequantize_fp8_block_ref(sw13, ss13, dtype=x.dtype).T, LIMIT)
         down = dequantize_fp8_block_ref(sw2, ss2, dtype=x.dtype)
         return routed.bfloat16() + h.to(x.dtype) @ down.T

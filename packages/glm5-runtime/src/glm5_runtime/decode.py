@@ -199,8 +199,9 @@ class LayerStages:
         for stage, shard, names, tokens in self.supersedes:
             if stage not in failed:
                 for m in tokens:
-                    self.routes[m] = [r for r in self.routes[m] if (r[0], r[1]) not in
-                                      {(shard, n) for n in names}]  # fmt: skip
+                    self.routes[m] = [
+                        r for r in self.routes[m] if r[0] != shard or r[1] not in names
+                    ]
         return set(failed)
 
     @contextmanager

@@ -29,11 +29,10 @@ from glm5_kernels.gemm import quantize_tokens_fp8_ref
 from glm5_kernels.gemm.library import (
     block_fp8_supported,
     fp8_linear_library,
+    fp8_mlp_library,
     router_library,
-    scaled_mm_block,
     supports,
 )
-from glm5_kernels.moe import swiglu_ref
 
 from .reference import ReferenceModel
 from .reference.stages import RankStages
@@ -116,14 +115,6 @@ def _experts(rank: RankStages, prefix: str, x: Tensor, ids: Tensor, weights: Ten
     )  # fmt: skip
 
 
-def _expert(xq, sx, w13, s13, w2, s2, limit: float, ue8m0: bool) -> Tensor:
-    """One expert's SwiGLU MLP on quantized rows -> [M, D] BF16 (fp8_mlp_ref's numbers)."""
-    h = scaled_mm_block(xq, sx, w13, s13)
-    a = swiglu_ref(h.float(), limit).to(torch.bfloat16)
-    aq, sa = quantize_tokens_fp8_ref(a, ue8m0)
-    return scaled_mm_block(aq, sa, w2, s2)
-
-
 def experts_library(
     x: Tensor, w13: Tensor, s13: Tensor, w2: Tensor, s2: Tensor, ids: Tensor,
     weights: Tensor, limit: float, ue8m0: bool = False,
@@ -137,14 +128,14 @@ def experts_library(
     if w13.shape[0] <= n * k:  # every expert once on every token, weighted 0 where unrouted
         for e in range(w13.shape[0]):
             combine = (weights * (ids == e)).sum(-1, keepdim=True).float()
-            y = _expert(xq, sx, w13[e], s13[e], w2[e], s2[e], limit, ue8m0)
+            y = fp8_mlp_library(xq, sx, w13[e], s13[e], w2[e], s2[e], limit, ue8m0)
             out += y.float() * combine
         return out
     for t in range(n):
         for j in range(k):
             # A 1-element device index gathers (a 0-d one would sync to read it back).
             e = ids[t, j : j + 1]
-            y = _expert(
+            y = fp8_mlp_library(
                 xq[t : t + 1], sx[t : t + 1], w13[e][0], s13[e][0], w2[e][0], s2[e][0], limit, ue8m0
             )
             out[t : t + 1] += y.float() * weights[t, j]

@@ -377,12 +377,18 @@ def _routing(config, blocks: list[nn.Module | None]) -> Routing | None:
         and getattr(config, "n_group", 1) in (1, None)
         and getattr(config, "norm_topk_prob", True)
     )
-    for block in blocks:
-        glm = glm and block is not None and not getattr(block, "is_sequence_parallel", False)
-        glm = glm and getattr(block, "ep_size", 1) == 1 and block.shared_experts is not None
-        glm = glm and not getattr(block, "enable_eplb", False)
-        glm = glm and getattr(block.gate, "e_score_correction_bias", None) is not None
-    if not glm:
+
+    def served(block) -> bool:
+        return (
+            block is not None
+            and not getattr(block, "is_sequence_parallel", False)
+            and getattr(block, "ep_size", 1) == 1
+            and not getattr(block, "enable_eplb", False)
+            and block.shared_experts is not None
+            and getattr(block.gate, "e_score_correction_bias", None) is not None
+        )
+
+    if not (glm and all(served(b) for b in blocks)):
         return None
     return Routing(int(config.num_experts_per_tok), float(config.routed_scaling_factor))
 

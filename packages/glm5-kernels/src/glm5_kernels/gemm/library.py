@@ -17,10 +17,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from glm5_kernels.gemm.reference import GROUP, fp8_linear_ref, quantize_tokens_fp8_ref
+from glm5_kernels.moe.reference import swiglu_ref
 
 __all__ = [
     "block_fp8_supported",
     "fp8_linear_library",
+    "fp8_mlp_library",
     "router_library",
     "scaled_mm_block",
     "supports",
@@ -124,6 +126,18 @@ def fp8_linear_library(x: Tensor, w: Tensor, s: Tensor, ue8m0: bool = False) -> 
     quantization ops, then `scaled_mm_block` (fp8_linear_ref's numbers, FP32 accumulation)."""
     xq, sx = quantize_tokens_fp8_ref(x, ue8m0)
     return scaled_mm_block(xq, sx, w, s)
+
+
+def fp8_mlp_library(
+    xq: Tensor, sx: Tensor, w13: Tensor, s13: Tensor, w2: Tensor, s2: Tensor, limit: float,
+    ue8m0: bool = False,
+) -> Tensor:  # fmt: skip
+    """An FP8 SwiGLU MLP (expert) on quantized rows xq [M, D] e4m3 / sx [M, D/128], w13
+    [2I, D] ([gate; up]), w2 [D, I] -> [M, D] BF16: `scaled_mm_block`, torch's clamped
+    SwiGLU and quantization between (fp8_mlp_ref's numbers)."""
+    h = scaled_mm_block(xq, sx, w13, s13)
+    aq, sa = quantize_tokens_fp8_ref(swiglu_ref(h.float(), limit).to(torch.bfloat16), ue8m0)
+    return scaled_mm_block(aq, sa, w2, s2)
 
 
 def router_library(x: Tensor, w: Tensor) -> Tensor:

@@ -153,11 +153,15 @@ def _raise(op: str, problems: list[str]) -> None:
         raise ValueError(f"{op}: " + "; ".join(problems))
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _first_call(op, m: int) -> None:
     """Record that `op` has run (so compiled) for M tokens; a first call inside CUDA-graph
     capture is refused, since it would compile there."""
     if m not in op._ready:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if _capturing():
             raise RuntimeError(
                 f"{type(op).__name__}: M={m} was not prepared; call prepare() before "
                 "CUDA-graph capture (a capture must never compile)"

@@ -82,8 +82,10 @@ def fp8_mlp_ref(
     w2_scale: Tensor,
     limit: float,
     ue8m0: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> Tensor:
-    """x [M, D] BF16, w13 [2I, D] (gate rows then up rows), w2 [D, I] e4m3 -> [M, D] BF16."""
+    """x [M, D] BF16, w13 [2I, D] (gate rows then up rows), w2 [D, I] e4m3 -> [M, D]
+    out_dtype (BF16 as the stock sequence stores it; FP64: the down product exact)."""
     h = fp8_linear_ref(x, w13, w13_scale, ue8m0)
     a = swiglu_ref(h, limit).to(torch.bfloat16)
-    return fp8_linear_ref(a, w2, w2_scale, ue8m0)
+    return fp8_linear_ref(a, w2, w2_scale, ue8m0, out_dtype)

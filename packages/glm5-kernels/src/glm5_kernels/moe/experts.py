@@ -26,7 +26,15 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from glm5_kernels.gemm.linear import MAX_TOKENS, Router, _first_call, _interpreting, _pdl, _sms
+from glm5_kernels.gemm.linear import (
+    MAX_TOKENS,
+    Router,
+    _capturing,
+    _first_call,
+    _interpreting,
+    _pdl,
+    _sms,
+)
 
 __all__ = ["MAX_TOP_K", "GroupedExperts", "MegaExperts", "MoeLayer", "MoeRows"]
 
@@ -138,6 +146,8 @@ class MegaExperts:
             )  # fmt: skip
         self._shared = shared  # kept alive: the kernels read it through the offsets
         self._device = w13.device
+        # Launch options fixed per build, not looked up per call.
+        self._pdl, self._interp = _pdl(self._device), _interpreting()
         sms = _sms(self._device)
         self.plans = {m: self._plan(m, sms) for m in range(1, max_tokens + 1)}
         self._counts = torch.zeros(-(-self.hidden // 16), dtype=torch.int32, device=self._device)
@@ -264,7 +274,7 @@ class MegaExperts:
     def _route(self, b: SimpleNamespace) -> None:
         from .triton_moe import route_kernel
 
-        p, m, pdl = self.plans[b.m], b.m, _pdl(self._device)
+        p, m, pdl = self.plans[b.m], b.m, self._pdl
         group = b.group
         route_kernel[(m,)](
             b.logits if b.route else b.x, self.bias, b.ids, b.weights, b.route_row, group[0],
@@ -273,28 +283,28 @@ class MegaExperts:
             self.routed_scaling, p.groups, p.chunk,
             MAX_CHUNKS=-(-m // p.chunk), TOP_K=self.top_k, KP=_pow2(self.top_k),
             BR=max(2, _pow2(m * self.top_k)), BE=_pow2(self.num_experts + 1), ROUTE=b.route,
-            UE8M0=self.ue8m0, QUANT_GROUPS=8, INTERPRETER=_interpreting(), PDL=pdl,
+            UE8M0=self.ue8m0, QUANT_GROUPS=8, INTERPRETER=self._interp, PDL=pdl,
             SHARED=self.shared, num_warps=p.warps_route, launch_pdl=pdl,
         )  # fmt: skip
 
     def _gate_up(self, b: SimpleNamespace) -> None:
         from .triton_moe import gate_up_kernel
 
-        p, pdl = self.plans[b.m], _pdl(self._device)
+        p, pdl = self.plans[b.m], self._pdl
         w13_off, s13_off = self.shared_offsets[:2]
         gate_up_kernel[(self.inter // p.bn_gate_up, p.groups)](
             b.xq, b.xs, self.w13, self.w13_scale, b.act, b.group[0], b.group[1], b.group[2],
             b.row_token, b.m, self.num_experts, self.hidden, self.inter, w13_off, s13_off,
             self.limit,
             BM=p.bm, BN=p.bn_gate_up, KB=p.blocks, SCALE_E8M0=self.scale_e8m0,
-            INTERPRETER=_interpreting(), PDL=pdl, num_warps=p.warps,
+            INTERPRETER=self._interp, PDL=pdl, num_warps=p.warps,
             num_stages=p.stages_gate_up, launch_pdl=pdl,
         )  # fmt: skip
 
     def _down(self, b: SimpleNamespace) -> None:
         from .triton_moe import down_kernel
 
-        p, m, pdl = self.plans[b.m], b.m, _pdl(self._device)
+        p, m, pdl = self.plans[b.m], b.m, self._pdl
         w2_off, s2_off = self.shared_offsets[2:]
         out = b.out if b.finalize else b.rows
         down_kernel[(self.hidden // (p.bn_down * p.tiles_down), p.groups)](
@@ -303,7 +313,7 @@ class MegaExperts:
             w2_off, s2_off, out.stride(0), p.groups,
             BM=p.bm, BN=p.bn_down, NT=p.tiles_down, BT=max(2, _pow2(m)), TOP_K=self.top_k,
             SCALE_E8M0=self.scale_e8m0, UE8M0=self.ue8m0, FINALIZE=b.finalize,
-            INTERPRETER=_interpreting(), PDL=pdl, PREFETCH=2 if pdl else 0, SHARED=self.shared,
+            INTERPRETER=self._interp, PDL=pdl, PREFETCH=2 if pdl else 0, SHARED=self.shared,
             num_warps=p.warps, num_stages=p.stages_down, launch_pdl=pdl,
         )  # fmt: skip
 
@@ -357,10 +367,6 @@ class MoeLayer:
         routed = experts.finalized(x, self.router(x))
         main.wait_stream(self._stream)
         return routed + shared  # BF16 + BF16: the stock sum's rounding
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _offset(base: Tensor, t: Tensor) -> int:

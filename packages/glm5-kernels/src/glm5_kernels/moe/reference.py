@@ -109,12 +109,10 @@ def moe_rows_ref(
     1x128 group, the gate_up output in BF16, SwiGLU stored in BF16 and quantized again), the
     down product exact (FP64): x [M, D] BF16, ids [M, k] -> rows [M, 1 + k, D] FP64, the shared
     expert's row first; a route whose id is outside [0, E) gets a zero row."""
-    from glm5_kernels.gemm.reference import fp8_linear_ref  # it imports this module
+    from glm5_kernels.gemm.reference import fp8_mlp_ref  # it imports this module
 
     def expert(xs: Tensor, a13, s13, a2, s2) -> Tensor:
-        h = fp8_linear_ref(xs, a13, s13, ue8m0)
-        act = swiglu_ref(h, limit).to(torch.bfloat16)
-        return fp8_linear_ref(act, a2, s2, ue8m0, out_dtype=torch.float64)
+        return fp8_mlp_ref(xs, a13, s13, a2, s2, limit, ue8m0, out_dtype=torch.float64)
 
     m, k = ids.shape
     rows = torch.zeros(m, 1 + k, x.shape[1], dtype=torch.float64, device=x.device)

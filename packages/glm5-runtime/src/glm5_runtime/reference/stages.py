@@ -349,10 +349,16 @@ class RankStages:
         if not x.is_cuda and not self.fp8_activations:
             return experts_ref(x, w13, w2, ids, weights, limit, s13, s2)
         quant = partial(_fake_quant, ue8m0=self.ue8m0) if self.fp8_activations else None
-        # Capturable: every expert once, or each token's k experts.
-        dense = self.g.n_routed_experts <= x.shape[0] * self.g.num_experts_per_tok
-        experts = _experts_dense if dense else _experts_by_slot
-        return experts(x, w13, w2, ids, weights, limit, s13, s2, quant)
+        return stock_experts(x, w13, w2, ids, weights, limit, s13, s2, quant)
+
+
+def stock_experts(x, w13, w2, ids, weights, limit, w13_scale, w2_scale, quant=None) -> Tensor:
+    """`experts_ref`'s sum, capturable (no host sync, no routing-dependent shape): every
+    expert once over all tokens where there are no more experts than routes, else each
+    token's k experts gathered per route slot. `quant`: vLLM's FP8 activation numerics."""
+    dense = w13.shape[0] <= ids.numel()
+    experts = _experts_dense if dense else _experts_by_slot
+    return experts(x, w13, w2, ids, weights, limit, w13_scale, w2_scale, quant)
 
 
 def _fake_quant(x: Tensor, ue8m0: bool) -> Tensor:
