@@ -1,0 +1,224 @@
+"""The mHC boundary as one launch: `MhcBoundary`.
+
+Between two sublayers GLM-5.3-Flash runs the previous one's mHC post, the next one's mHC pre
+(RMS-normed streams -> mix logits -> pre / post weights and a Sinkhorn-balanced comb) and
+the next one's input RMSNorm: stock, dozens of small kernels (20 Sinkhorn iterations alone
+are ~80). Here each is one kernel (`triton_mhc.hc_boundary_kernel`):
+
+    expand_pre(x, ...)                       the step's first: embedding -> streams, pre, norm
+    post_pre(y, streams, post, comb, ...)    every other boundary (hc_fused_post_pre_ref)
+    head(y, streams, post, comb, norm)       the last: post, the streams' mean, final norm
+
+Numerics: the streams round as transformers' BF16 post does; mix, Sinkhorn and norms run in
+FP32. The norm's 1/rms comes from the streams' Gram matrix (the unrounded collapse), so the
+normed output may differ from the reference's by one BF16 rounding.
+
+One object serves every boundary of a model on one stream: its workspace (partial sums and
+barrier words) is reused by each call in stream order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from glm5_kernels.gemm.linear import _interpreting, _pdl, _sms
+
+__all__ = ["MhcBoundary", "MhcConfig"]
+
+
+@dataclass(frozen=True)
+class MhcConfig:
+    """The model's mHC constants: `hc` streams of `hidden` columns; `rms_eps` of the mix
+    input's normalization, `hc_eps` of pre and Sinkhorn, `norm_eps` of the sublayer input
+    RMSNorm (and of the final norm), `post_mult` (2.0 in GLM-5.3-Flash)."""
+
+    hc: int
+    hidden: int
+    rms_eps: float
+    hc_eps: float
+    sinkhorn_iters: int
+    norm_eps: float
+    post_mult: float = 2.0
+
+    @property
+    def mix(self) -> int:
+        return (2 + self.hc) * self.hc
+
+
+@dataclass(frozen=True)
+class _Plan:
+    bt: int  # tokens per CTA
+    bd: int  # hidden columns per CTA (all streams)
+    dc: int  # columns per register pass
+    splits: int  # CTAs per token block
+    fused: bool  # one launch with a grid barrier, else two launches
+    warps: int = 4
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class MhcBoundary:
+    """mHC boundaries of `config`'s shape for 1..`max_tokens` tokens on `device`."""
+
+    def __init__(self, config: MhcConfig, *, max_tokens: int = 64, device="cuda"):
+        if config.hc & (config.hc - 1) or not 1 <= config.hc <= 8:
+            raise ValueError(f"MhcBoundary: hc={config.hc}, a power of two in 1..8 expected")
+        if config.sinkhorn_iters < 1:
+            raise ValueError(f"MhcBoundary: sinkhorn_iters={config.sinkhorn_iters}, >= 1 expected")
+        self.config, self.max_tokens = config, max_tokens
+        self._device = torch.device(device)
+        self._pdl, self._interp = _pdl(self._device), _interpreting()
+        self._sms = _sms(self._device)
+        self.plans = {m: self._plan(m) for m in range(1, max_tokens + 1)}
+        self._max_splits = -(-config.hidden // 32)
+        pw = config.mix + config.hc * config.hc
+        self._part = torch.zeros(self._max_splits, max_tokens, pw, device=self._device)
+        self._bar = torch.zeros(2 * max_tokens, dtype=torch.int32, device=self._device)
+
+    def _plan(self, m: int) -> _Plan:
+        """Token blocks of up to 8 tokens; columns cut so the grid fills about half the SMs
+        and stays within them (the barrier needs every CTA resident)."""
+        d = self.config.hidden
+        bt = min(8, _pow2(m))
+        blocks = -(-m // bt)
+        bd = 32
+        while bd < 512 and blocks * -(-d // bd) > self._sms // 2:
+            bd *= 2
+        dc = max(1, min(bd, 4096 // (bt * _pow2(self.config.mix))))
+        splits = -(-d // bd)
+        fused = not self._interp and blocks * splits <= self._sms
+        return _Plan(bt, bd, dc, splits, fused)
+
+    def supports(self, m: int) -> bool:
+        return 1 <= m <= self.max_tokens
+
+    def prepare(self, tokens) -> None:
+        """Compile every kind of boundary for each token count (before CUDA-graph capture)."""
+        c, dev = self.config, self._device
+        fn = torch.zeros(c.mix, c.hc * c.hidden, device=dev)
+        scale, base = torch.ones(3, device=dev), torch.zeros(c.mix, device=dev)
+        norm = torch.ones(c.hidden, dtype=torch.bfloat16, device=dev)
+        for m in tokens:
+            x = torch.zeros(m, c.hidden, dtype=torch.bfloat16, device=dev)
+            streams, post, comb, _ = self.expand_pre(x, fn, scale, base, norm)
+            self.post_pre(x, streams, post, comb, fn, scale, base, norm)
+            self.head(x, streams, post, comb, norm)
+
+    # The boundaries.
+    def pre(self, streams, fn, scale, base, norm_weight, *, out=None):
+        """streams [T, H, D] BF16 -> (streams, post [T, H] FP32, comb [T, H, H] FP32, the
+        normed sublayer input [T, D] BF16): `hc_pre_ref` then the input RMSNorm."""
+        x = streams[:, 0] if streams.dim() == 3 else streams
+        return self._run(0, x, streams, None, None, fn, scale, base, norm_weight, out)
+
+    def expand_pre(self, x, fn, scale, base, norm_weight, *, out=None):
+        """x [T, D] BF16 (the embedding) -> (streams [T, H, D] BF16 (x in every stream),
+        post [T, H] FP32, comb [T, H, H] FP32, the normed sublayer input [T, D] BF16)."""
+        return self._run(1, x, None, None, None, fn, scale, base, norm_weight, out)
+
+    def post_pre(self, x, streams, post, comb, fn, scale, base, norm_weight, *, out=None):
+        """The sublayer output x [T, D] BF16 posted into streams [T, H, D] with post [T, H] /
+        comb [T, H, H] FP32, then the next pre and norm: (streams', post', comb', normed)."""
+        return self._run(2, x, streams, post, comb, fn, scale, base, norm_weight, out)
+
+    def head(self, x, streams, post, comb, norm_weight, *, out=None) -> Tensor:
+        """The last sublayer's post, the streams' mean and the final norm: [T, D] BF16."""
+        return self._run(2, x, streams, post, comb, None, None, None, norm_weight, out)[3]
+
+    def _run(self, mode, x, streams, post, comb, fn, scale, base, norm, out):
+        c = self.config
+        head = fn is None
+        m = self._check(mode, x, streams, post, comb, fn, scale, base, norm, head, out)
+        p = self.plans[m]
+        dev, h, d = self._device, c.hc, c.hidden
+        store = not head and mode != 0  # the new streams are an output
+        if out is None:
+            out = (
+                torch.empty(m, h, d, dtype=torch.bfloat16, device=dev) if store else None,
+                None if head else torch.empty(m, h, dtype=torch.float32, device=dev),
+                None if head else torch.empty(m, h, h, dtype=torch.float32, device=dev),
+                torch.empty(m, d, dtype=torch.bfloat16, device=dev),
+            )
+        new, post_out, comb_out, normed = out
+        dummy = normed  # never read where a pointer is unused (MODE / HEAD / STORE say so)
+        args = [
+            x if x is not None else dummy,
+            streams if streams is not None else dummy,
+            post if post is not None else dummy,
+            comb if comb is not None else dummy,
+            fn if fn is not None else dummy,
+            scale if scale is not None else dummy,
+            base if base is not None else dummy,
+            norm,
+            new if store else dummy,
+            post_out if not head else dummy,
+            comb_out if not head else dummy,
+            normed,
+            self._part,
+            self._bar,
+            m, d, self.max_tokens, c.rms_eps, c.hc_eps, c.norm_eps, c.post_mult,
+        ]  # fmt: skip
+        meta = dict(
+            H=h, BT=p.bt, BD=p.bd, DC=p.dc, SP=_pow2(p.splits), NMIX_P=_pow2(c.mix),
+            MODE=mode, STORE=store, HEAD=head, SINKHORN=c.sinkhorn_iters,
+            INTERPRETER=self._interp, PDL=self._pdl, num_warps=p.warps, launch_pdl=self._pdl,
+        )  # fmt: skip
+        from glm5_kernels.mhc.triton_mhc import hc_boundary_kernel
+
+        grid = (-(-m // p.bt), p.splits)
+        for phase in (0,) if p.fused else (1, 2):
+            hc_boundary_kernel[grid](*args, PHASE=phase, **meta)
+        return (streams if mode == 0 else new), post_out, comb_out, normed
+
+    def _check(self, mode, x, streams, post, comb, fn, scale, base, norm, head, out) -> int:
+        """The token count; every problem with the inputs in one error."""
+        c, problems = self.config, []
+        h, d = c.hc, c.hidden
+        m = x.shape[0] if x is not None and x.dim() == 2 else -1
+        if not self.supports(m):
+            problems.append(f"x: {m} tokens, outside 1..{self.max_tokens}")
+
+        def want(name, t, shape, dtypes):
+            if t is None:
+                problems.append(f"{name}: missing")
+            elif tuple(t.shape) != shape or t.dtype not in dtypes or not t.is_contiguous():
+                names = " or ".join(str(dt).removeprefix("torch.") for dt in dtypes)
+                problems.append(
+                    f"{name}: {tuple(t.shape)} {t.dtype}, expected contiguous {list(shape)} {names}"
+                )
+            elif t.device != self._device and not self._interp:
+                problems.append(f"{name}: on {t.device}, expected {self._device}")
+
+        bf16, f32 = (torch.bfloat16,), (torch.float32,)
+        if mode == 0:
+            want("streams", streams, (m, h, d), bf16)
+        else:
+            want("x", x, (m, d), bf16)
+        if mode == 2:
+            want("streams", streams, (m, h, d), bf16)
+            want("post", post, (m, h), f32)
+            want("comb", comb, (m, h, h), f32)
+        if not head:
+            want("fn", fn, (c.mix, h * d), (torch.float32, torch.bfloat16))
+            want("scale", scale, (3,), f32)
+            want("base", base, (c.mix,), f32)
+        want("norm_weight", norm, (d,), (torch.bfloat16, torch.float32))
+        if out is not None:
+            shapes = [(m, h, d), (m, h), (m, h, h), (m, d)]
+            dtypes = [bf16, f32, f32, bf16]
+            needed = [not head and mode != 0, not head, not head, True]
+            for name, t, shape, dt, need in zip(("streams", "post", "comb", "normed"), out,
+                                                shapes, dtypes, needed, strict=True):  # fmt: skip
+                if need:
+                    want(f"out.{name}", t, shape, dt)
+            inputs = {t.data_ptr() for t in (x, streams, post, comb) if t is not None}
+            if any(t is not None and t.data_ptr() in inputs for t in out):
+                problems.append("out: aliases an input (the kernel reads its inputs twice)")
+        if problems:
+            raise ValueError("MhcBoundary: " + "; ".join(problems))
+        return m
