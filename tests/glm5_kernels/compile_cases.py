@@ -136,13 +136,13 @@ def mhc_cases(arch: int) -> int:
     tiles at 1, 8 and 64 tokens: every mode, one launch (grid barrier) and the two phases."""
     from types import SimpleNamespace
 
-    from glm5_kernels.mhc.boundary import MhcBoundary, MhcConfig, _pow2
+    from glm5_kernels.mhc.boundary import MhcBoundary, MhcConfig
     from glm5_kernels.mhc.triton_mhc import hc_boundary_kernel
 
     op = SimpleNamespace(config=MhcConfig(4, 4096, 1e-6, 1e-6, 20, 1e-5), _sms=132, _interp=False)
     types = {n: "*bf16" for n in ("x_ptr", "res_ptr", "streams_ptr", "normed_ptr", "norm_ptr")}
     types |= {n: "*fp32" for n in ("post_ptr", "comb_ptr", "fn_ptr", "scale_ptr", "base_ptr")}
-    types |= {n: "*fp32" for n in ("post_out_ptr", "comb_out_ptr", "part_ptr")}
+    types |= {n: "*fp32" for n in ("post_out_ptr", "comb_out_ptr", "part_ptr", "sum_ptr")}
     types |= {"bar_ptr": "*i32", "T": "i32", "D": "i32", "max_tokens": "i32"}
     types |= {n: "fp32" for n in ("rms_eps", "hc_eps", "norm_eps", "post_mult")}
     n = 0
@@ -150,7 +150,7 @@ def mhc_cases(arch: int) -> int:
         p = MhcBoundary._plan(op, m)
         for mode, head, phase in ((1, False, 0), (2, False, 0), (2, True, 0), (0, False, 0),
                                   (2, False, 1), (2, False, 2)):  # fmt: skip
-            constexprs = {"H": 4, "BT": p.bt, "BD": p.bd, "DC": p.dc, "SP": _pow2(p.splits),
+            constexprs = {"H": 4, "BT": p.bt, "BD": p.bd, "DC": p.dc,
                           "NMIX_P": 32, "MODE": mode, "STORE": mode != 0 and not head,
                           "HEAD": head, "SINKHORN": 20, "PHASE": phase, "INTERPRETER": False,
                           "PDL": True}  # fmt: skip

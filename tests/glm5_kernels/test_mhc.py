@@ -36,14 +36,16 @@ pytestmark = pytest.mark.skipif(
 
 
 def _ref_pre(c, streams, fn, scale, base, norm):
-    post, comb, collapsed = hc_pre_ref(streams, fn, scale, base, rms_eps=c.rms_eps,
-                                       hc_eps=c.hc_eps, sinkhorn_iters=c.sinkhorn_iters)  # fmt: skip
+    eps = {"rms_eps": c.rms_eps, "hc_eps": c.hc_eps, "sinkhorn_iters": c.sinkhorn_iters}
+    post, comb, collapsed = hc_pre_ref(streams, fn, scale, base, **eps)
     return post, comb, rms_norm_ref(collapsed, norm, c.norm_eps).bfloat16()
 
 
 def _op(c, plan=None):
     op = MhcBoundary(c, max_tokens=32, device="cpu")
-    op._part.fill_(float("nan"))  # rows past the token count or split count are never read
+    # Rows past the token count or split count are never read; the sums are written first.
+    op._part.fill_(float("nan"))
+    op._sum.fill_(float("nan"))
     if plan is not None:
         op.plans = {m: plan for m in op.plans}
     return op
@@ -166,11 +168,11 @@ def test_bad_input_names_every_problem():
     for name in ("streams:", "post:", "comb:", "fn:", "scale:"):
         assert name in msg, msg
     assert msg.count("MhcBoundary") == 1
-    with pytest.raises(ValueError, match="40 tokens, outside 1..32"):
+    with pytest.raises(ValueError, match=r"40 tokens, outside 1\.\.32"):
         op.expand_pre(torch.zeros(40, 64, dtype=torch.bfloat16), fn, scale, base, norm)
     with pytest.raises(ValueError, match="out: aliases an input"):
         op.post_pre(x, streams, post, comb, fn, scale, base, norm,
                     out=(streams, torch.empty(3, 4), torch.empty(3, 4, 4),
                          torch.empty(3, 64, dtype=torch.bfloat16)))  # fmt: skip
-    with pytest.raises(ValueError, match="hc=3"):
+    with pytest.raises(ValueError, match="hc=3, the kernel is built for 4 streams"):
         MhcBoundary(type(c)(3, 64, 1e-6, 1e-6, 20, 1e-5), device="cpu")

@@ -2,7 +2,6 @@
 and `MhcBoundary`, each boundary as one kernel."""
 
 from glm5_kernels.mhc.boundary import MhcBoundary, MhcConfig
-
 from glm5_kernels.mhc.reference import (
     hc_expand_ref,
     hc_fused_post_pre_ref,

@@ -66,18 +66,21 @@ class MhcBoundary:
     """mHC boundaries of `config`'s shape for 1..`max_tokens` tokens on `device`."""
 
     def __init__(self, config: MhcConfig, *, max_tokens: int = 64, device="cuda"):
-        if config.hc & (config.hc - 1) or not 1 <= config.hc <= 8:
-            raise ValueError(f"MhcBoundary: hc={config.hc}, a power of two in 1..8 expected")
+        if config.hc != 4:
+            raise ValueError(f"MhcBoundary: hc={config.hc}, the kernel is built for 4 streams")
         if config.sinkhorn_iters < 1:
             raise ValueError(f"MhcBoundary: sinkhorn_iters={config.sinkhorn_iters}, >= 1 expected")
         self.config, self.max_tokens = config, max_tokens
         self._device = torch.device(device)
+        if self._device.type == "cuda" and self._device.index is None:
+            self._device = torch.device("cuda", torch.cuda.current_device())
         self._pdl, self._interp = _pdl(self._device), _interpreting()
         self._sms = _sms(self._device)
         self.plans = {m: self._plan(m) for m in range(1, max_tokens + 1)}
         self._max_splits = -(-config.hidden // 32)
         pw = config.mix + config.hc * config.hc
         self._part = torch.zeros(self._max_splits, max_tokens, pw, device=self._device)
+        self._sum = torch.zeros(max_tokens, pw, device=self._device)
         self._bar = torch.zeros(2 * max_tokens, dtype=torch.int32, device=self._device)
 
     def _plan(self, m: int) -> _Plan:
@@ -160,11 +163,12 @@ class MhcBoundary:
             comb_out if not head else dummy,
             normed,
             self._part,
+            self._sum,
             self._bar,
             m, d, self.max_tokens, c.rms_eps, c.hc_eps, c.norm_eps, c.post_mult,
         ]  # fmt: skip
         meta = dict(
-            H=h, BT=p.bt, BD=p.bd, DC=p.dc, SP=_pow2(p.splits), NMIX_P=_pow2(c.mix),
+            H=h, BT=p.bt, BD=p.bd, DC=p.dc, NMIX_P=_pow2(c.mix),
             MODE=mode, STORE=store, HEAD=head, SINKHORN=c.sinkhorn_iters,
             INTERPRETER=self._interp, PDL=self._pdl, num_warps=p.warps, launch_pdl=self._pdl,
         )  # fmt: skip

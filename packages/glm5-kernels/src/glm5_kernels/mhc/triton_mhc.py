@@ -1,18 +1,19 @@
 """Triton kernel of the mHC boundary: the previous sublayer's post, the next sublayer's pre
 (mix logits, Sinkhorn) and its input RMSNorm, in one launch.
 
-A CTA owns BT tokens x BD hidden columns of all H streams (grid: token blocks x column
+A CTA owns BT tokens x BD hidden columns of all 4 streams (grid: token blocks x column
 splits). Phase 1: the streams of its columns (MODE: given, the embedding expanded, or the
 post: post (x) y + comb^T streams, rounded as the model dtype rounds), stored, and their
 sums over its columns that the whole row needs: the mix logits (streams . fn) and the
-streams' Gram matrix G[h, k] = sum_d s_h s_k. Then a barrier over the token block's CTAs.
-Phase 2: each CTA sums the partials (the same order in every CTA, so all agree bit for bit),
-computes pre / post / comb (Sinkhorn in registers; the row RMS is trace(G)), and the norm's
-1/rms from G (sum_d (sum_h pre_h s_h)^2 = pre^T G pre), so the collapse and RMSNorm of its
-own columns need no second pass over the row. HEAD: the final collapse (a plain mean over
-the streams) and norm instead, no mix.
+streams' Gram matrix G[h, k] = sum_d s_h s_k. The token block's last CTA to arrive sums
+the partial rows (split order: deterministic) and releases the others. Phase 2: every CTA
+reads the sums and computes pre (and CTA 0 post, and comb by Sinkhorn, each token's 4 x 4 in
+registers as 16 values: no reductions), the row RMS (trace G) and the norm's 1/rms from G
+(sum_d (sum_h pre_h s_h)^2 = pre^T G pre), so the collapse and RMSNorm of its own columns
+need no second pass over the row. HEAD: the final collapse (the streams' mean) and norm
+instead, no mix.
 
-The barrier needs the token block's CTAs resident together (the host keeps the grid within
+The wait needs the token block's CTAs resident together (the host keeps the grid within
 the SMs); under the interpreter, which runs programs one after another, or where the grid
 would not fit, the phases run as two launches (PHASE 1, then PHASE 2).
 """
@@ -68,13 +69,15 @@ def hc_boundary_kernel(
     x_ptr, res_ptr, post_ptr, comb_ptr,  # phase 1's inputs (MODE says which are read)
     fn_ptr, scale_ptr, base_ptr, norm_ptr,  # the next sublayer's mix and norm weights
     streams_ptr, post_out_ptr, comb_out_ptr, normed_ptr,  # outputs
-    part_ptr, bar_ptr,  # workspace: partial sums [splits, max_tokens, PW]; barrier words
+    part_ptr, sum_ptr, bar_ptr,  # workspace: partial rows [splits, max_tokens, PW], their
+    # sums [max_tokens, PW], barrier words [2 per token block]
     T, D, max_tokens, rms_eps, hc_eps, norm_eps, post_mult,
     H: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, DC: tl.constexpr,
-    SP: tl.constexpr, NMIX_P: tl.constexpr, MODE: tl.constexpr, STORE: tl.constexpr,
+    NMIX_P: tl.constexpr, MODE: tl.constexpr, STORE: tl.constexpr,
     HEAD: tl.constexpr, SINKHORN: tl.constexpr, PHASE: tl.constexpr,
     INTERPRETER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    tl.static_assert(H == 4, "the phase-2 code holds each token's 4 x 4 comb in registers")
     pid_t, pid_s = tl.program_id(0), tl.program_id(1)
     splits = tl.num_programs(1)
     NMIX: tl.constexpr = (2 + H) * H
@@ -112,68 +115,62 @@ def hc_boundary_kernel(
         g_off = NMIX + h[None, :, None] * H + k[None, None, :]
         tl.store(row[:, None, None] + g_off, gram, mask=tm[:, None, None])
 
-    if PHASE == 0:
-        # Barrier over the token block's CTAs: read the generation, arrive; the last to
-        # arrive resets the count and advances the generation, the others wait for it.
+    # Arrive. The token block's last CTA sums every split's partial rows (in split order)
+    # into the block's reduced rows, then advances the generation; in one launch the other
+    # CTAs wait for that (the grid is resident: the host keeps it within the SMs).
+    if PHASE != 2:
         tl.debug_barrier()
         count, gen_ptr = bar_ptr + 2 * pid_t, bar_ptr + 2 * pid_t + 1
-        gen = tl.atomic_add(gen_ptr, 0, sem="acquire")
+        gen = tl.atomic_add(gen_ptr, 0, sem="relaxed")  # fixed until this CTA has arrived
         arrived = tl.atomic_add(count, 1, sem="acq_rel")
         if arrived == splits - 1:
+            _reduce(part_ptr, sum_ptr, t, tm, splits, max_tokens, PW, BT)
+            tl.debug_barrier()
             tl.atomic_xchg(count, 0, sem="relaxed")
             tl.atomic_add(gen_ptr, 1, sem="release")
-        else:
+        elif PHASE == 0:
             seen = gen
             while seen == gen:
-                seen = tl.atomic_add(gen_ptr, 0, sem="acquire")
+                seen = tl.load(gen_ptr, volatile=True)
+            tl.atomic_add(gen_ptr, 0, sem="acquire")  # the reduced rows are visible from here
         tl.debug_barrier()
 
     if PHASE != 1:
-        # Every split's partial rows of these tokens, summed in split order.
-        sp_ = tl.arange(0, SP)
-        rows = part_ptr + (sp_[:, None] * max_tokens + t[None, :]) * PW  # [SP, BT]
-        pm = (sp_[:, None] < splits) & tm[None, :]
-        g = tl.load(rows[:, :, None, None] + NMIX + h[None, None, :, None] * H
-                    + k[None, None, None, :], mask=pm[:, :, None, None], other=0.0,
-                    cache_modifier=".cg")  # fmt: skip
-        gram = tl.sum(g, axis=0)  # [BT, H, H]
-        eye = h[None, :, None] == k[None, None, :]
-        if HEAD:
-            pre = tl.zeros([BT, H], tl.float32) + 1.0 / H
+        r_row = sum_ptr + t * PW
+        g00, g01, g02, g03 = _row4(r_row + NMIX, tm)
+        g10, g11, g12, g13 = _row4(r_row + NMIX + 4, tm)
+        g20, g21, g22, g23 = _row4(r_row + NMIX + 8, tm)
+        g30, g31, g32, g33 = _row4(r_row + NMIX + 12, tm)
+        if HEAD:  # the final collapse is the streams' mean
+            p0 = tl.zeros([BT], tl.float32) + 0.25
+            p1, p2, p3 = p0, p0, p0
         else:
-            m_pre = tl.sum(tl.load(rows[:, :, None] + h[None, None, :], mask=pm[:, :, None],
-                                   other=0.0, cache_modifier=".cg"), axis=0)  # fmt: skip
-            m_post = tl.sum(tl.load(rows[:, :, None] + H + h[None, None, :],
-                                    mask=pm[:, :, None], other=0.0, cache_modifier=".cg"),
-                            axis=0)  # fmt: skip
-            m_comb = tl.sum(tl.load(rows[:, :, None, None] + 2 * H + h[None, None, :, None] * H
-                                    + k[None, None, None, :], mask=pm[:, :, None, None],
-                                    other=0.0, cache_modifier=".cg"), axis=0)  # fmt: skip
             # The mix input is the row RMS-normalized: its sum of squares is trace(G).
-            sq = tl.sum(tl.sum(tl.where(eye, gram, 0.0), axis=2), axis=1)
-            r = 1.0 / tl.sqrt_rn(sq / HD + rms_eps)
-            s0 = tl.load(scale_ptr)
-            s1 = tl.load(scale_ptr + 1)
-            s2 = tl.load(scale_ptr + 2)
-            b_pre = tl.load(base_ptr + h)
-            b_post = tl.load(base_ptr + H + h)
-            b_comb = tl.load(base_ptr + 2 * H + h[:, None] * H + k[None, :])
-            pre = _sigmoid(m_pre * r[:, None] * s0 + b_pre[None, :], INTERPRETER) + hc_eps
-            post = post_mult * _sigmoid(m_post * r[:, None] * s1 + b_post[None, :], INTERPRETER)
-            logit = m_comb * r[:, None, None] * s2 + b_comb[None, :, :]
-            e = tl.exp(logit - tl.max(logit, axis=2)[:, :, None])
-            comb = e / tl.sum(e, axis=2)[:, :, None] + hc_eps
-            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-            for _ in tl.static_range(SINKHORN - 1):
-                comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
-                comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+            r = 1.0 / tl.sqrt_rn((g00 + g11 + g22 + g33) / HD + rms_eps)
+            s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
+            p0, p1, p2, p3 = _row4(r_row, tm)
+            p0 = _sigmoid(p0 * r * s0 + tl.load(base_ptr), INTERPRETER) + hc_eps
+            p1 = _sigmoid(p1 * r * s0 + tl.load(base_ptr + 1), INTERPRETER) + hc_eps
+            p2 = _sigmoid(p2 * r * s0 + tl.load(base_ptr + 2), INTERPRETER) + hc_eps
+            p3 = _sigmoid(p3 * r * s0 + tl.load(base_ptr + 3), INTERPRETER) + hc_eps
             if pid_s == 0:
-                tl.store(post_out_ptr + t[:, None] * H + h[None, :], post, mask=tm[:, None])
-                c_off = t[:, None, None] * (H * H) + h[None, :, None] * H + k[None, None, :]
-                tl.store(comb_out_ptr + c_off, comb, mask=tm[:, None, None])
+                q0, q1, q2, q3 = _row4(r_row + 4, tm)
+                q0 = post_mult * _sigmoid(q0 * r * s1 + tl.load(base_ptr + 4), INTERPRETER)
+                q1 = post_mult * _sigmoid(q1 * r * s1 + tl.load(base_ptr + 5), INTERPRETER)
+                q2 = post_mult * _sigmoid(q2 * r * s1 + tl.load(base_ptr + 6), INTERPRETER)
+                q3 = post_mult * _sigmoid(q3 * r * s1 + tl.load(base_ptr + 7), INTERPRETER)
+                _store4(post_out_ptr + t * 4, q0, q1, q2, q3, tm)
+                _sinkhorn(r_row + 8, base_ptr + 8, comb_out_ptr + t * 16, r * s2, hc_eps, tm,
+                          SINKHORN)  # fmt: skip
         # The collapsed row's sum of squares, pre^T G pre, without a pass over the row.
-        q = tl.sum(tl.sum(pre[:, :, None] * pre[:, None, :] * gram, axis=2), axis=1)
+        q = (p0 * (p0 * g00 + p1 * g01 + p2 * g02 + p3 * g03)
+             + p1 * (p0 * g10 + p1 * g11 + p2 * g12 + p3 * g13)
+             + p2 * (p0 * g20 + p1 * g21 + p2 * g22 + p3 * g23)
+             + p3 * (p0 * g30 + p1 * g31 + p2 * g32 + p3 * g33))  # fmt: skip
         rstd = 1.0 / tl.sqrt_rn(q / D + norm_eps)
+        hb = h[None, :]
+        pre = tl.where(hb == 0, p0[:, None], tl.where(hb == 1, p1[:, None],
+                       tl.where(hb == 2, p2[:, None], p3[:, None])))  # fmt: skip
         for c0 in range(0, BD, DC):
             d = pid_s * BD + c0 + tl.arange(0, DC)
             # The same streams again (recomputed, or re-read: L2-hot), bit for bit phase 1's.
@@ -185,3 +182,95 @@ def hc_boundary_kernel(
             om = tm[:, None] & (d[None, :] < D)
             tl.store(normed_ptr + t[:, None] * D + d[None, :], _narrow(y, tl.bfloat16,
                      INTERPRETER), mask=om)  # fmt: skip
+
+
+@triton.jit
+def _reduce(part_ptr, sum_ptr, t, tm, splits, max_tokens, PW: tl.constexpr, BT: tl.constexpr):
+    """sum_ptr[t] = the sum over splits of part_ptr[split, t] (PW values a row), in split
+    order. L2 loads: other SMs wrote the partials, and this SM's L1 may hold an old copy."""
+    PW_P: tl.constexpr = triton.next_power_of_2(PW)
+    SR: tl.constexpr = max(1, 8192 // (BT * PW_P))
+    col = tl.arange(0, PW_P)
+    acc = tl.zeros([BT, PW_P], tl.float32)
+    for s0 in range(0, splits, SR):
+        sr = s0 + tl.arange(0, SR)
+        ptrs = part_ptr + ((sr[:, None, None] * max_tokens + t[None, :, None]) * PW
+                           + col[None, None, :])  # fmt: skip
+        m = (sr[:, None, None] < splits) & tm[None, :, None] & (col[None, None, :] < PW)
+        acc += tl.sum(tl.load(ptrs, mask=m, other=0.0, cache_modifier=".cg"), axis=0)
+    tl.store(sum_ptr + t[:, None] * PW + col[None, :], acc, mask=tm[:, None] & (col[None, :] < PW))
+
+
+@triton.jit
+def _row4(ptr, tm):
+    """Four consecutive reduced values of each token (L2 loads: another CTA wrote them)."""
+    a = tl.load(ptr, mask=tm, other=0.0, cache_modifier=".cg")
+    b = tl.load(ptr + 1, mask=tm, other=0.0, cache_modifier=".cg")
+    c = tl.load(ptr + 2, mask=tm, other=0.0, cache_modifier=".cg")
+    d = tl.load(ptr + 3, mask=tm, other=0.0, cache_modifier=".cg")
+    return a, b, c, d
+
+
+@triton.jit
+def _store4(ptr, a, b, c, d, tm):
+    tl.store(ptr, a, mask=tm)
+    tl.store(ptr + 1, b, mask=tm)
+    tl.store(ptr + 2, c, mask=tm)
+    tl.store(ptr + 3, d, mask=tm)
+
+
+@triton.jit
+def _softmax4(a, b, c, d, eps):
+    """softmax over four values, + eps (the reference's comb before Sinkhorn)."""
+    top = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
+    a, b, c, d = tl.exp(a - top), tl.exp(b - top), tl.exp(c - top), tl.exp(d - top)
+    s = a + b + c + d
+    return a / s + eps, b / s + eps, c / s + eps, d / s + eps
+
+
+@triton.jit
+def _norm4(a, b, c, d, eps):
+    s = a + b + c + d + eps
+    return a / s, b / s, c / s, d / s
+
+
+@triton.jit
+def _sinkhorn(m_ptr, b_ptr, out_ptr, gain, eps, tm, ITERS: tl.constexpr):
+    """comb = Sinkhorn(softmax_rows(m * gain + b) + eps), 4 x 4 per token, as the reference
+    iterates it (columns first), each token's matrix in registers: no reductions."""
+    m00, m01, m02, m03 = _row4(m_ptr, tm)
+    m10, m11, m12, m13 = _row4(m_ptr + 4, tm)
+    m20, m21, m22, m23 = _row4(m_ptr + 8, tm)
+    m30, m31, m32, m33 = _row4(m_ptr + 12, tm)
+    c00, c01, c02, c03 = _softmax4(m00 * gain + tl.load(b_ptr), m01 * gain + tl.load(b_ptr + 1),
+                                   m02 * gain + tl.load(b_ptr + 2),
+                                   m03 * gain + tl.load(b_ptr + 3), eps)  # fmt: skip
+    c10, c11, c12, c13 = _softmax4(m10 * gain + tl.load(b_ptr + 4),
+                                   m11 * gain + tl.load(b_ptr + 5),
+                                   m12 * gain + tl.load(b_ptr + 6),
+                                   m13 * gain + tl.load(b_ptr + 7), eps)  # fmt: skip
+    c20, c21, c22, c23 = _softmax4(m20 * gain + tl.load(b_ptr + 8),
+                                   m21 * gain + tl.load(b_ptr + 9),
+                                   m22 * gain + tl.load(b_ptr + 10),
+                                   m23 * gain + tl.load(b_ptr + 11), eps)  # fmt: skip
+    c30, c31, c32, c33 = _softmax4(m30 * gain + tl.load(b_ptr + 12),
+                                   m31 * gain + tl.load(b_ptr + 13),
+                                   m32 * gain + tl.load(b_ptr + 14),
+                                   m33 * gain + tl.load(b_ptr + 15), eps)  # fmt: skip
+    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)
+    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
+    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
+    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
+    for _ in range(ITERS - 1):
+        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, eps)
+        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, eps)
+        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, eps)
+        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, eps)
+        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)
+        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
+        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
+        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
+    _store4(out_ptr, c00, c01, c02, c03, tm)
+    _store4(out_ptr + 4, c10, c11, c12, c13, tm)
+    _store4(out_ptr + 8, c20, c21, c22, c23, tm)
+    _store4(out_ptr + 12, c30, c31, c32, c33, tm)

@@ -1,0 +1,141 @@
+"""The mHC boundary of GLM-5.3-Flash decode (4 streams x hidden 4096) on one GPU: the
+previous sublayer's post, the next one's pre (mix, 20 Sinkhorn iterations) and its input
+RMSNorm. Ours (`MhcBoundary.post_pre`, one launch) vs the stock sequence (the backbone's torch
+ops: post, pre, norm, as the reference backbone and vLLM's native path run them), and the HBM
+floor (x, the streams read and written, fn, the norm weight and the normed output ÷
+`hbm_bandwidth()` measured in the same run). World size 1: no all-reduce (`nccl_us` null).
+
+Timing: CUDA-graph replays, median, every call on its own copy of the weights and inputs
+(more than L2 in all). Launches: kernel nodes of one boundary's captured graph. Each
+boundary is checked against the stock output before it is timed. `--sweep` times the plan's
+tile variants (tokens per CTA x columns per CTA) at each token count.
+
+    PYTHONPATH=packages/glm5-kernels/src:packages/glm5-runtime/src:packages/glm5-policy/src \\
+        python benchmarks/boundary.py --out benchmarks/results/boundary_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+
+import torch
+from provenance import provenance, result_args, write_result
+
+from glm5_kernels.mhc import MhcBoundary, MhcConfig, hc_fused_post_pre_ref
+from glm5_kernels.timing import graph_calls_us, hbm_bandwidth
+
+D, H = 4096, 4
+CONFIG = MhcConfig(hc=H, hidden=D, rms_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20, norm_eps=1e-5)
+COPIES = 40  # sites cycled through per graph: 40 x 1.5 MB of fn alone, beyond L2
+
+
+def inputs(m: int, gen):
+    c = CONFIG
+    fn = torch.randn(c.mix, H * D, generator=gen, device="cuda") * 0.5 / (H * D) ** 0.5
+    scale = 0.5 + torch.rand(3, generator=gen, device="cuda")
+    base = 0.5 * torch.randn(c.mix, generator=gen, device="cuda")
+    norm = (1 + 0.1 * torch.randn(D, generator=gen, device="cuda")).bfloat16()
+    x = torch.randn(m, D, generator=gen, device="cuda").bfloat16()
+    streams = torch.randn(m, H, D, generator=gen, device="cuda").bfloat16()
+    post = 2 * torch.rand(m, H, generator=gen, device="cuda")
+    comb = torch.rand(m, H, H, generator=gen, device="cuda")
+    return x, streams, post, comb / comb.sum(1, keepdim=True), fn, scale, base, norm
+
+
+def stock(args):
+    c = CONFIG
+    eps = {"rms_eps": c.rms_eps, "hc_eps": c.hc_eps, "sinkhorn_iters": c.sinkhorn_iters}
+    return lambda: hc_fused_post_pre_ref(*args, **eps, norm_eps=c.norm_eps)
+
+
+def launches(fn) -> int | None:
+    from glm5_runtime.bench import graph_nodes
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph):
+        fn()
+    nodes = graph_nodes(graph)
+    return None if nodes is None else nodes.get("kernel", 0)
+
+
+def boundary_bytes(m: int) -> int:
+    c = CONFIG
+    return m * D * 2 * 2 + 2 * m * H * D * 2 + c.mix * H * D * 4 + D * 2 + m * H * (1 + H) * 8
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", default="1,2,4,8,16,32,64")
+    parser.add_argument("--sweep", action="store_true", help="time tile variants")
+    result_args(parser)
+    args = parser.parse_args()
+    if args.table:
+        print(table(args.table))
+        return
+    gen = torch.Generator("cuda").manual_seed(0)
+    bw = hbm_bandwidth()["floor"]
+    print(f"{torch.cuda.get_device_name()}: HBM {bw / 1e12:.2f} TB/s")
+    op = MhcBoundary(CONFIG, device="cuda")
+    rows, sweep, start = [], [], time.perf_counter()
+    for m in (int(t) for t in args.tokens.split(",")):
+        sets = [inputs(m, gen) for _ in range(COPIES)]
+        stocks = [stock(s) for s in sets]
+        ours = [lambda s=s: op.post_pre(*s) for s in sets]
+        want, got = stocks[0](), ours[0]()
+        err = max(((g.float() - w.float()).abs().max() / w.float().abs().max()).item()
+                  for g, w in zip(got, want, strict=True))  # fmt: skip
+        floor = boundary_bytes(m) / bw * 1e6
+        stock_us, us = graph_calls_us(stocks), graph_calls_us(ours)
+        row = {"world": 1, "tokens": m, "us": us, "stock_us": stock_us, "nccl_us": None,
+               "floor_us": floor, "floor_ratio": us / floor, "speedup_vs_stock": stock_us / us,
+               "launches": launches(ours[0]), "stock_launches": launches(stocks[0]),
+               "max_rel_error": err, "plan": vars(op.plans[m])}  # fmt: skip
+        rows.append(row)
+        print(f"T={m:2d}: {us:6.2f} µs (floor {floor:5.2f}, ×{us / floor:.2f}) stock "
+              f"{stock_us:7.1f} µs [{row['launches']} vs {row['stock_launches']} launches] "
+              f"err {err:.1e} plan {op.plans[m]}")  # fmt: skip
+        if args.sweep:
+            best = op.plans[m]
+            for bt in (1, 2, 4, 8):
+                for bd in (32, 64, 128, 256):
+                    blocks, splits = -(-m // bt), -(-D // bd)
+                    if bt > 2 * m or blocks * splits > op._sms:
+                        continue
+                    dc = max(1, min(bd, 4096 // (bt * 32)))
+                    op.plans[m] = replace(best, bt=bt, bd=bd, dc=dc, splits=splits)
+                    t = graph_calls_us(ours)
+                    sweep.append({"tokens": m, "bt": bt, "bd": bd, "dc": dc, "us": t})
+                    print(f"   bt {bt:2d} bd {bd:3d} dc {dc:3d}: {t:6.2f} µs")
+            op.plans[m] = best
+    result = provenance("boundary", args) | {
+        "hbm_bytes_per_s": bw, "config": vars(CONFIG), "rows": rows, "sweep": sweep,
+        "seconds": time.perf_counter() - start,
+    }  # fmt: skip
+    write_result(args.out, result)
+
+
+def table(path: str) -> str:
+    with open(path) as f:
+        result = json.load(f)
+    out = [
+        f"{result['gpu']}, {result['date']}, commit {result['commit']}: `{result['command']}`",
+        "",
+        "| world | tokens | fused µs (× floor) | launches | stock µs | launches | speedup |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in result["rows"]:
+        out.append(
+            f"| {r['world']} | {r['tokens']} | {r['us']:.2f} ({r['floor_ratio']:.2f}×) | "
+            f"{r['launches']} | {r['stock_us']:.1f} | {r['stock_launches']} | "
+            f"{r['speedup_vs_stock']:.0f}× |"
+        )
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    main()
