@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import replace
 
 import torch
 from provenance import provenance, result_args, write_result
@@ -101,16 +100,14 @@ def main() -> None:
               f"err {err:.1e} plan {op.plans[m]}")  # fmt: skip
         if args.sweep:
             best = op.plans[m]
-            for bt in (1, 2, 4, 8):
-                for bd in (32, 64, 128, 256):
-                    blocks, splits = -(-m // bt), -(-D // bd)
-                    if bt > 2 * m or blocks * splits > op._sms:
+            for bd in (32, 64, 128, 256):
+                for warps in (4, 8):
+                    op.plans[m] = op._tiles(m, bd, warps)
+                    if not op.plans[m].fused:
                         continue
-                    dc = max(1, min(bd, 4096 // (bt * 32)))
-                    op.plans[m] = replace(best, bt=bt, bd=bd, dc=dc, splits=splits)
                     t = graph_calls_us(ours)
-                    sweep.append({"tokens": m, "bt": bt, "bd": bd, "dc": dc, "us": t})
-                    print(f"   bt {bt:2d} bd {bd:3d} dc {dc:3d}: {t:6.2f} µs")
+                    sweep.append({"tokens": m, "bd": bd, "warps": warps, "us": t})
+                    print(f"   bd {bd:3d} warps {warps}: {t:6.2f} µs")
             op.plans[m] = best
     result = provenance("boundary", args) | {
         "hbm_bytes_per_s": bw, "config": vars(CONFIG), "rows": rows, "sweep": sweep,

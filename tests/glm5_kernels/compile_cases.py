@@ -140,6 +140,7 @@ def mhc_cases(arch: int) -> int:
     from glm5_kernels.mhc.triton_mhc import hc_boundary_kernel
 
     op = SimpleNamespace(config=MhcConfig(4, 4096, 1e-6, 1e-6, 20, 1e-5), _sms=132, _interp=False)
+    op._tiles = lambda m, bd, warps: MhcBoundary._tiles(op, m, bd, warps)
     types = {n: "*bf16" for n in ("x_ptr", "res_ptr", "streams_ptr", "normed_ptr", "norm_ptr")}
     types |= {n: "*fp32" for n in ("post_ptr", "comb_ptr", "fn_ptr", "scale_ptr", "base_ptr")}
     types |= {n: "*fp32" for n in ("post_out_ptr", "comb_out_ptr", "part_ptr", "sum_ptr")}
@@ -150,7 +151,7 @@ def mhc_cases(arch: int) -> int:
         p = MhcBoundary._plan(op, m)
         for mode, head, phase in ((1, False, 0), (2, False, 0), (2, True, 0), (0, False, 0),
                                   (2, False, 1), (2, False, 2)):  # fmt: skip
-            constexprs = {"H": 4, "BT": p.bt, "BD": p.bd, "DC": p.dc,
+            constexprs = {"H": 4, "BT": p.bt, "BD": p.bd, "BTR": min(16, m), "SR": p.sr,
                           "NMIX_P": 32, "MODE": mode, "STORE": mode != 0 and not head,
                           "HEAD": head, "SINKHORN": 20, "PHASE": phase, "INTERPRETER": False,
                           "PDL": True}  # fmt: skip

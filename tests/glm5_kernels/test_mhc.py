@@ -58,7 +58,7 @@ def _op(c, plan=None):
         (3, "fp32", None),
         (9, "bf16", None),
         (17, "fp32", None),
-        (5, "fp32", _Plan(bt=2, bd=64, dc=16, splits=4, fused=False)),
+        (5, "fp32", _Plan(bd=32, splits=7, sr=2, fused=False)),
     ],
     ids=["1", "3", "9-bf16-fn", "17", "5-plan"],
 )

@@ -50,12 +50,12 @@ class MhcConfig:
 
 @dataclass(frozen=True)
 class _Plan:
-    bt: int  # tokens per CTA
-    bd: int  # hidden columns per CTA (all streams)
-    dc: int  # columns per register pass
+    bd: int  # hidden columns per CTA (all four streams)
     splits: int  # CTAs per token block
-    fused: bool  # one launch with a grid barrier, else two launches
+    sr: int  # splits summed per load by the token block's last CTA
+    fused: bool  # one launch with a wait on the token block, else two launches
     warps: int = 4
+    bt: int = 16  # tokens per CTA (the mix dot's M)
 
 
 def _pow2(n: int) -> int:
@@ -77,25 +77,31 @@ class MhcBoundary:
         self._pdl, self._interp = _pdl(self._device), _interpreting()
         self._sms = _sms(self._device)
         self.plans = {m: self._plan(m) for m in range(1, max_tokens + 1)}
-        self._max_splits = -(-config.hidden // 32)
+        self._max_splits = -(-config.hidden // 16)
         pw = config.mix + config.hc * config.hc
         self._part = torch.zeros(self._max_splits, max_tokens, pw, device=self._device)
         self._sum = torch.zeros(max_tokens, pw, device=self._device)
-        self._bar = torch.zeros(2 * max_tokens, dtype=torch.int32, device=self._device)
+        self._bar = torch.zeros(-(-max_tokens // 16), dtype=torch.int32, device=self._device)
 
     def _plan(self, m: int) -> _Plan:
-        """Token blocks of up to 8 tokens; columns cut so the grid fills about half the SMs
-        and stays within them (the barrier needs every CTA resident)."""
-        d = self.config.hidden
-        bt = min(8, _pow2(m))
+        """Token blocks of 16 (the mix dot's M); 64 columns a CTA, or the fewest columns
+        that keep the grid within the SMs (the wait needs every CTA of a block resident)."""
+        d, bt = self.config.hidden, 16
         blocks = -(-m // bt)
-        bd = 32
-        while bd < 512 and blocks * -(-d // bd) > self._sms // 2:
+        bd = 64
+        while bd < 512 and blocks * -(-d // bd) > self._sms:
             bd *= 2
-        dc = max(1, min(bd, 4096 // (bt * _pow2(self.config.mix))))
-        splits = -(-d // bd)
+        return self._tiles(m, bd, 4 if bd <= 64 else 8)
+
+    def _tiles(self, m: int, bd: int, warps: int) -> _Plan:
+        splits = -(-self.config.hidden // bd)
+        blocks = -(-m // 16)
+        # The last CTA's sum: rows of the block's tokens, as many splits a load as fit
+        # ~64 registers a thread.
+        rows = min(16, _pow2(m))
+        sr = max(1, min(_pow2(splits), 64 * 32 * warps // (rows * 64)))
         fused = not self._interp and blocks * splits <= self._sms
-        return _Plan(bt, bd, dc, splits, fused)
+        return _Plan(bd, splits, sr, fused, warps)
 
     def supports(self, m: int) -> bool:
         return 1 <= m <= self.max_tokens
@@ -168,7 +174,7 @@ class MhcBoundary:
             m, d, self.max_tokens, c.rms_eps, c.hc_eps, c.norm_eps, c.post_mult,
         ]  # fmt: skip
         meta = dict(
-            H=h, BT=p.bt, BD=p.bd, DC=p.dc, NMIX_P=_pow2(c.mix),
+            H=h, BT=p.bt, BD=p.bd, BTR=min(p.bt, _pow2(m)), SR=p.sr, NMIX_P=_pow2(c.mix),
             MODE=mode, STORE=store, HEAD=head, SINKHORN=c.sinkhorn_iters,
             INTERPRETER=self._interp, PDL=self._pdl, num_warps=p.warps, launch_pdl=self._pdl,
         )  # fmt: skip

@@ -2,20 +2,22 @@
 (mix logits, Sinkhorn) and its input RMSNorm, in one launch.
 
 A CTA owns BT tokens x BD hidden columns of all 4 streams (grid: token blocks x column
-splits). Phase 1: the streams of its columns (MODE: given, the embedding expanded, or the
-post: post (x) y + comb^T streams, rounded as the model dtype rounds), stored, and their
-sums over its columns that the whole row needs: the mix logits (streams . fn) and the
-streams' Gram matrix G[h, k] = sum_d s_h s_k. The token block's last CTA to arrive sums
-the partial rows (split order: deterministic) and releases the others. Phase 2: every CTA
-reads the sums and computes pre (and CTA 0 post, and comb by Sinkhorn, each token's 4 x 4 in
+splits), and holds them in registers from start to end. Before waiting on the previous
+kernel (PDL) it loads its weights: fn's columns for its slice and the norm weight. Phase 1:
+the streams of its columns (MODE: given, the embedding expanded, or the post: post (x) y +
+comb^T streams, rounded as the model dtype rounds), stored, and their sums over its columns
+that the whole row needs: the mix logits (one FP32 dot: streams . fn) and the streams' Gram
+matrix G[h, k] = sum_d s_h s_k. The token block's last CTA to arrive sums every split's
+partial rows (split order: deterministic) and releases the others. Phase 2: every CTA reads
+the sums and computes pre (CTA 0 also post, and comb by Sinkhorn, each token's 4 x 4 in
 registers as 16 values: no reductions), the row RMS (trace G) and the norm's 1/rms from G
 (sum_d (sum_h pre_h s_h)^2 = pre^T G pre), so the collapse and RMSNorm of its own columns
 need no second pass over the row. HEAD: the final collapse (the streams' mean) and norm
 instead, no mix.
 
 The wait needs the token block's CTAs resident together (the host keeps the grid within
-the SMs); under the interpreter, which runs programs one after another, or where the grid
-would not fit, the phases run as two launches (PHASE 1, then PHASE 2).
+the SMs); under the interpreter, which runs programs one after another, the phases run as
+two launches (PHASE 1, then PHASE 2; each computes the streams from its inputs).
 """
 
 import triton
@@ -35,31 +37,29 @@ def _bf16(x, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
-def _streams(x_ptr, res_ptr, post_ptr, comb_ptr, t, d, tm, D,
-             H: tl.constexpr, MODE: tl.constexpr, INTERPRETER: tl.constexpr):  # fmt: skip
-    """The streams [BT, H, DC] (FP32 holding BF16 values) of tokens t, columns d."""
-    h = tl.arange(0, H)
+def _streams(x_ptr, res_ptr, post_ptr, comb_ptr, t, d, tm, dm, D,
+             MODE: tl.constexpr, INTERPRETER: tl.constexpr):  # fmt: skip
+    """The streams [BT, 4, BD] (FP32 holding BF16 values) of tokens t, columns d."""
+    h = tl.arange(0, 4)
     t3, h3, d3 = t[:, None, None], h[None, :, None], d[None, None, :]
-    m3 = tm[:, None, None] & (d3 < D)
+    m3 = tm[:, None, None] & dm[None, None, :]
     if MODE == 0:
-        s = tl.load(res_ptr + t3 * (H * D) + h3 * D + d3, mask=m3 & (h3 < H), other=0.0)
-        s = s.to(tl.float32)
+        s = tl.load(res_ptr + t3 * (4 * D) + h3 * D + d3, mask=m3, other=0.0).to(tl.float32)
     elif MODE == 1:
         x = tl.load(x_ptr + t3 * D + d3, mask=m3, other=0.0).to(tl.float32)
-        s = x + tl.zeros([1, H, 1], tl.float32)
+        s = x + tl.zeros([1, 4, 1], tl.float32)
     else:
         # transformers' order in the model dtype: post * y, comb^T @ streams (FP32
         # accumulation, one rounding), then their sum.
         x = tl.load(x_ptr + t3 * D + d3, mask=m3, other=0.0).to(tl.float32)
-        p = tl.load(post_ptr + t3 * H + h3, mask=tm[:, None, None] & (h3 < H), other=0.0)
+        tm3 = tm[:, None, None]
+        p = tl.load(post_ptr + t3 * 4 + h3, mask=tm3, other=0.0)
         placed = _bf16(_bf16(p, INTERPRETER) * x, INTERPRETER)
-        t4, d4 = t[:, None, None, None], d[None, None, None, :]
-        j4 = h[None, :, None, None]  # the source stream
-        i4 = h[None, None, :, None]  # the destination stream
-        m4 = tm[:, None, None, None]
-        c = tl.load(comb_ptr + t4 * (H * H) + j4 * H + i4, mask=m4, other=0.0)  # [BT,H,H,1]
-        r = tl.load(res_ptr + t4 * (H * D) + j4 * D + d4, mask=m4 & (d4 < D), other=0.0)
-        mixed = tl.sum(_bf16(c, INTERPRETER) * r.to(tl.float32), axis=1)
+        mixed = tl.zeros_like(placed)
+        for j in tl.static_range(4):  # source stream j into every stream h: comb[j, h]
+            c = tl.load(comb_ptr + t3 * 16 + j * 4 + h3, mask=tm3, other=0.0)  # [BT, 4, 1]
+            r = tl.load(res_ptr + t3 * (4 * D) + j * D + d3, mask=m3, other=0.0)  # [BT, 1, BD]
+            mixed += _bf16(c, INTERPRETER) * r.to(tl.float32)
         s = _bf16(placed + _bf16(mixed, INTERPRETER), INTERPRETER)
     return s
 
@@ -70,69 +70,68 @@ def hc_boundary_kernel(
     fn_ptr, scale_ptr, base_ptr, norm_ptr,  # the next sublayer's mix and norm weights
     streams_ptr, post_out_ptr, comb_out_ptr, normed_ptr,  # outputs
     part_ptr, sum_ptr, bar_ptr,  # workspace: partial rows [splits, max_tokens, PW], their
-    # sums [max_tokens, PW], barrier words [2 per token block]
+    # sums [max_tokens, PW], a barrier word per token block
     T, D, max_tokens, rms_eps, hc_eps, norm_eps, post_mult,
-    H: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, DC: tl.constexpr,
-    NMIX_P: tl.constexpr, MODE: tl.constexpr, STORE: tl.constexpr,
+    H: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BTR: tl.constexpr,
+    SR: tl.constexpr, NMIX_P: tl.constexpr, MODE: tl.constexpr, STORE: tl.constexpr,
     HEAD: tl.constexpr, SINKHORN: tl.constexpr, PHASE: tl.constexpr,
     INTERPRETER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     tl.static_assert(H == 4, "the phase-2 code holds each token's 4 x 4 comb in registers")
     pid_t, pid_s = tl.program_id(0), tl.program_id(1)
     splits = tl.num_programs(1)
-    NMIX: tl.constexpr = (2 + H) * H
-    PW: tl.constexpr = NMIX + H * H  # a partial row: mix logits, then the Gram matrix
-    HD = H * D
+    NMIX: tl.constexpr = 24
+    PW: tl.constexpr = 40  # a partial row: the mix logits, then the Gram matrix
+    HD = 4 * D
     t = pid_t * BT + tl.arange(0, BT)
     tm = t < T
-    h, k = tl.arange(0, H), tl.arange(0, H)
-    j = tl.arange(0, NMIX_P)
-    row = part_ptr + (pid_s * max_tokens + t) * PW  # [BT]
+    d = pid_s * BD + tl.arange(0, BD)
+    dm = d < D
+    h = tl.arange(0, 4)
+    # The weights first: they do not depend on the previous kernel.
+    if not HEAD:
+        c = tl.arange(0, 4 * BD)  # the dot's K: stream c // BD, column c % BD
+        j = tl.arange(0, NMIX_P)
+        col = pid_s * BD + c % BD
+        fn_t = tl.load(fn_ptr + j[None, :] * HD + (c // BD)[:, None] * D + col[:, None],
+                       mask=(j[None, :] < NMIX) & (col[:, None] < D), other=0.0)  # fmt: skip
+    w = tl.load(norm_ptr + d, mask=dm, other=0.0).to(tl.float32)
     if PDL:
-        gdc_wait()  # every input and the workspace come from earlier kernels
+        gdc_wait()  # the inputs and the workspace come from earlier kernels
         gdc_launch_dependents()
+    s = _streams(x_ptr, res_ptr, post_ptr, comb_ptr, t, d, tm, dm, D, MODE, INTERPRETER)
 
     if PHASE != 2:
-        mix = tl.zeros([BT, NMIX_P], tl.float32)
-        gram = tl.zeros([BT, H, H], tl.float32)
-        for c0 in range(0, BD, DC):
-            d = pid_s * BD + c0 + tl.arange(0, DC)
-            s = _streams(x_ptr, res_ptr, post_ptr, comb_ptr, t, d, tm, D, H, MODE,
-                         INTERPRETER)  # fmt: skip
-            if STORE:
-                sp = streams_ptr + t[:, None, None] * HD + h[None, :, None] * D + d[None, None, :]
-                sm = tm[:, None, None] & (d[None, None, :] < D) & (h[None, :, None] < H)
-                tl.store(sp, _narrow(s, tl.bfloat16, INTERPRETER), mask=sm)
-            gram += tl.sum(s[:, :, None, :] * s[:, None, :, :], axis=3)
-            if not HEAD:
-                for hh in tl.static_range(H):
-                    s_h = tl.sum(tl.where(h[None, :, None] == hh, s, 0.0), axis=1)  # [BT, DC]
-                    f = tl.load(fn_ptr + j[:, None] * HD + hh * D + d[None, :],
-                                mask=(j[:, None] < NMIX) & (d[None, :] < D), other=0.0)  # fmt: skip
-                    mix += tl.sum(s_h[:, None, :] * f.to(tl.float32)[None, :, :], axis=2)
+        if STORE:
+            sp = streams_ptr + t[:, None, None] * HD + h[None, :, None] * D + d[None, None, :]
+            tl.store(sp, _narrow(s, tl.bfloat16, INTERPRETER),
+                     mask=tm[:, None, None] & dm[None, None, :])  # fmt: skip
+        row = part_ptr + (pid_s * max_tokens + t) * PW  # [BT]
         if not HEAD:
+            s2 = tl.reshape(s, [BT, 4 * BD])
+            mix = tl.dot(s2, fn_t.to(tl.float32), input_precision="ieee")  # [BT, NMIX_P]
             tl.store(row[:, None] + j[None, :], mix, mask=tm[:, None] & (j[None, :] < NMIX))
-        g_off = NMIX + h[None, :, None] * H + k[None, None, :]
-        tl.store(row[:, None, None] + g_off, gram, mask=tm[:, None, None])
+        for hh in tl.static_range(4):
+            s_h = tl.sum(tl.where(h[None, :, None] == hh, s, 0.0), axis=1)  # [BT, BD]
+            g_h = tl.sum(s * s_h[:, None, :], axis=2)  # [BT, 4]: G[hh, k]
+            tl.store(row[:, None] + NMIX + hh * 4 + h[None, :], g_h, mask=tm[:, None])
 
-    # Arrive. The token block's last CTA sums every split's partial rows (in split order)
-    # into the block's reduced rows, then advances the generation; in one launch the other
-    # CTAs wait for that (the grid is resident: the host keeps it within the SMs).
-    if PHASE != 2:
+        # Arrive on the token block's word (count in the low 16 bits, generation above).
+        # The last to arrive sums the partial rows, then resets the count and advances the
+        # generation in one add; in one launch the others wait for the generation.
         tl.debug_barrier()
-        count, gen_ptr = bar_ptr + 2 * pid_t, bar_ptr + 2 * pid_t + 1
-        gen = tl.atomic_add(gen_ptr, 0, sem="relaxed")  # fixed until this CTA has arrived
-        arrived = tl.atomic_add(count, 1, sem="acq_rel")
-        if arrived == splits - 1:
-            _reduce(part_ptr, sum_ptr, t, tm, splits, max_tokens, PW, BT)
+        word = bar_ptr + pid_t
+        old = tl.atomic_add(word, 1, sem="acq_rel")
+        if (old & 0xFFFF) == splits - 1:
+            _reduce(part_ptr, sum_ptr, pid_t * BT + tl.arange(0, BTR), T, splits, max_tokens,
+                    PW, BTR, SR)  # fmt: skip
             tl.debug_barrier()
-            tl.atomic_xchg(count, 0, sem="relaxed")
-            tl.atomic_add(gen_ptr, 1, sem="release")
+            tl.atomic_add(word, 65536 - splits, sem="release")
         elif PHASE == 0:
-            seen = gen
-            while seen == gen:
-                seen = tl.load(gen_ptr, volatile=True)
-            tl.atomic_add(gen_ptr, 0, sem="acquire")  # the reduced rows are visible from here
+            seen = old
+            while (seen >> 16) == (old >> 16):
+                seen = tl.load(word, volatile=True)
+            tl.atomic_add(word, 0, sem="acquire")  # the sums are visible from here
         tl.debug_barrier()
 
     if PHASE != 1:
@@ -171,27 +170,22 @@ def hc_boundary_kernel(
         hb = h[None, :]
         pre = tl.where(hb == 0, p0[:, None], tl.where(hb == 1, p1[:, None],
                        tl.where(hb == 2, p2[:, None], p3[:, None])))  # fmt: skip
-        for c0 in range(0, BD, DC):
-            d = pid_s * BD + c0 + tl.arange(0, DC)
-            # The same streams again (recomputed, or re-read: L2-hot), bit for bit phase 1's.
-            s = _streams(x_ptr, res_ptr, post_ptr, comb_ptr, t, d, tm, D, H, MODE,
-                         INTERPRETER)  # fmt: skip
-            collapsed = _bf16(tl.sum(pre[:, :, None] * s, axis=1), INTERPRETER)  # [BT, DC]
-            w = tl.load(norm_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-            y = w[None, :] * _bf16(collapsed * rstd[:, None], INTERPRETER)
-            om = tm[:, None] & (d[None, :] < D)
-            tl.store(normed_ptr + t[:, None] * D + d[None, :], _narrow(y, tl.bfloat16,
-                     INTERPRETER), mask=om)  # fmt: skip
+        collapsed = _bf16(tl.sum(pre[:, :, None] * s, axis=1), INTERPRETER)  # [BT, BD]
+        y = w[None, :] * _bf16(collapsed * rstd[:, None], INTERPRETER)
+        tl.store(normed_ptr + t[:, None] * D + d[None, :], _narrow(y, tl.bfloat16, INTERPRETER),
+                 mask=tm[:, None] & dm[None, :])  # fmt: skip
 
 
 @triton.jit
-def _reduce(part_ptr, sum_ptr, t, tm, splits, max_tokens, PW: tl.constexpr, BT: tl.constexpr):
+def _reduce(part_ptr, sum_ptr, t, T, splits, max_tokens, PW: tl.constexpr, BTR: tl.constexpr,
+            SR: tl.constexpr):  # fmt: skip
     """sum_ptr[t] = the sum over splits of part_ptr[split, t] (PW values a row), in split
-    order. L2 loads: other SMs wrote the partials, and this SM's L1 may hold an old copy."""
+    order, SR splits a load. L2 loads: other SMs wrote the partials, and this SM's L1 may
+    hold an old copy."""
     PW_P: tl.constexpr = triton.next_power_of_2(PW)
-    SR: tl.constexpr = max(1, 8192 // (BT * PW_P))
     col = tl.arange(0, PW_P)
-    acc = tl.zeros([BT, PW_P], tl.float32)
+    tm = t < T
+    acc = tl.zeros([BTR, PW_P], tl.float32)
     for s0 in range(0, splits, SR):
         sr = s0 + tl.arange(0, SR)
         ptrs = part_ptr + ((sr[:, None, None] * max_tokens + t[None, :, None]) * PW
