@@ -84,14 +84,16 @@ class MhcBoundary:
         self._bar = torch.zeros(-(-max_tokens // 16), dtype=torch.int32, device=self._device)
 
     def _plan(self, m: int) -> _Plan:
-        """Token blocks of 16 (the mix dot's M); 64 columns a CTA, or the fewest columns
-        that keep the grid within the SMs (the wait needs every CTA of a block resident)."""
-        d, bt = self.config.hidden, 16
-        blocks = -(-m // bt)
-        bd = 64
+        """Token blocks of 16 (the mix dot's M). Columns per CTA from the H200 sweep of
+        benchmarks/boundary.py --sweep (4 warps; 8 were slower everywhere): 32 up to 4 tokens
+        (128 CTAs; 64 columns: 5-30 % slower), 64 up to 8, 128 above (the last CTA's sum over
+        the splits grows with the tokens); more where the grid would not fit the SMs (the
+        wait needs every CTA of a block resident)."""
+        d, blocks = self.config.hidden, -(-m // 16)
+        bd = 32 if m <= 4 else 64 if m <= 8 else 128
         while bd < 512 and blocks * -(-d // bd) > self._sms:
             bd *= 2
-        return self._tiles(m, bd, 4 if bd <= 64 else 8)
+        return self._tiles(m, bd, 4)
 
     def _tiles(self, m: int, bd: int, warps: int) -> _Plan:
         splits = -(-self.config.hidden // bd)
@@ -177,6 +179,9 @@ class MhcBoundary:
             H=h, BT=p.bt, BD=p.bd, BTR=min(p.bt, _pow2(m)), SR=p.sr, NMIX_P=_pow2(c.mix),
             MODE=mode, STORE=store, HEAD=head, SINKHORN=c.sinkhorn_iters,
             INTERPRETER=self._interp, PDL=self._pdl, num_warps=p.warps, launch_pdl=self._pdl,
+            # No contraction: a BF16 multiply and the add after it are two roundings in the
+            # model (post * y, then + comb^T streams), never one fused multiply-add.
+            enable_fp_fusion=False,
         )  # fmt: skip
         from glm5_kernels.mhc.triton_mhc import hc_boundary_kernel
 
