@@ -4,9 +4,11 @@ and `shadow`, which makes each stage op also run the stock op it replaces on the
 import torch
 
 # The MoE stage: per-route at 1-4 tokens, grouped at 5-16 and 33-64 (16-token groups cut
-# there), stock router + shared expert ops at 17-32.
+# there), stock router + shared expert ops at 17-32. The fused mHC boundaries everywhere
+# but 17-20 tokens (the stock boundaries beside the stages there).
 ALL_STAGES = {
     "moe": {"1-4": "per_route", "5-16": "grouped", "33-64": "grouped"},
+    "boundary": {"1-16": "nvlink", "21-64": "nvlink"},
     **{
         stage: {"1-64": choice}
         for stage, choice in [

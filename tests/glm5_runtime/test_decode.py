@@ -71,7 +71,8 @@ def test_planned_steps_equal_stock(q):
     pairs = []
     shadow(decode, spec, pairs)
     kinds = {op.__class__.__name__ for op, _ in decode.ops}
-    assert kinds == {"Projection", "Router", "SharedExpert", "DenseMlp", "MoeLayer"}
+    assert kinds == {"Projection", "Router", "SharedExpert", "DenseMlp", "MoeLayer", "MhcBoundary"}
+    assert decode.mhc is not None and decode.mhc_tokens == {q, q * q}
     assert decode.batches == [q, q * q]
 
     def planned(tokens, step):
@@ -153,7 +154,7 @@ def test_stage_that_cannot_build_warns_once_and_runs_stock(caplog):
     assert any("dense_mlp runs stock" in w for w in warned)
     assert any("moe runs stock" in w for w in warned)
     kinds = {op.__class__.__name__ for op, _ in decode.ops}
-    assert kinds == {"Projection", "Router"}  # the BF16 stages still build
+    assert kinds == {"Projection", "Router", "MhcBoundary"}  # the BF16 stages still build
     routed = {name for _, name, _ in decode.routes[2]}
     assert not any(name.endswith((".mlp", ".shared_experts")) for name in routed)
 
@@ -162,6 +163,7 @@ def test_stage_that_cannot_compile_warns_once_and_runs_stock(caplog, monkeypatch
     """A kernel that fails in prepare() (a compile error) takes its whole stage to stock
     (the MoE stage too: its layer op runs a Router)."""
     from glm5_kernels.gemm import Router
+    from glm5_kernels.mhc import MhcBoundary
 
     def broken(self, tokens):
         raise RuntimeError("ptxas: out of registers")
@@ -170,13 +172,15 @@ def test_stage_that_cannot_compile_warns_once_and_runs_stock(caplog, monkeypatch
     config = DecodeConfig.build(max_context=64, q=Q, capture_sizes=SIZES, policy=ALL_STAGES)
     decode = SpecializedDecode(ReferenceBackbone(model), config)
     monkeypatch.setattr(Router, "prepare", broken)
+    monkeypatch.setattr(MhcBoundary, "prepare", broken)
     with caplog.at_level(logging.WARNING, logger="glm5_runtime"):
-        assert decode.prepare() == {"router", "moe"}
+        assert decode.prepare() == {"router", "moe", "boundary"}
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warned == [
         f"Specialized decode: stage {s} runs stock (RuntimeError: ptxas: out of registers)"
-        for s in ("router", "moe")
+        for s in ("router", "moe", "boundary")
     ]
+    assert decode.mhc is None  # planned steps run the stock boundaries
     kinds = {op.__class__.__name__ for op, _ in decode.ops}
     assert kinds == {"Projection", "SharedExpert", "DenseMlp"}  # shared experts: served again
     assert not any(name.endswith(".gate.weight") for _, name, _ in decode.routes[2])
@@ -272,3 +276,37 @@ def test_moe_stage_needs_glms_routing(caplog):
         "not GLM's (Backbone.routing))"
     ]
     assert not any(type(op).__name__ == "MoeLayer" for op, _ in decode.ops)
+
+
+def test_boundaries_need_glms_mhc_and_their_weights(caplog):
+    """A backbone without GLM's mHC (`mhc` None), or whose boundary weights the kernel
+    cannot read, keeps every boundary stock: one warning naming each problem, and its planned
+    steps run the stock boundaries."""
+    model = _model(_small())
+    backbone = ReferenceBackbone(model)
+    backbone.mhc = None
+    config = DecodeConfig.build(max_context=64, q=Q, capture_sizes=SIZES, policy=ALL_STAGES)
+    with caplog.at_level(logging.WARNING, logger="glm5_runtime"):
+        decode = SpecializedDecode(backbone, config)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [
+        "Specialized decode: stage boundary runs stock (ValueError: the backbone's boundaries "
+        "are not GLM's mHC (Backbone.mhc))"
+    ]
+    assert decode.mhc is None
+
+    caplog.clear()
+    backbone = ReferenceBackbone(model)
+    w = model.ranks[0].w
+    saved = {n: w[n] for n in ("layers.1.ffn_hc.fn", "layers.2.attn_hc.base")}
+    w["layers.1.ffn_hc.fn"] = saved["layers.1.ffn_hc.fn"][:, :8]
+    w["layers.2.attn_hc.base"] = saved["layers.2.attn_hc.base"].double()
+    try:
+        with caplog.at_level(logging.WARNING, logger="glm5_runtime"):
+            decode = SpecializedDecode(backbone, config)
+    finally:
+        w.update(saved)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "stage boundary runs stock" in warned[0], warned
+    assert decode.mhc is None
+    assert not any(type(op).__name__ == "MhcBoundary" for op, _ in decode.ops)

@@ -8,8 +8,13 @@ whole MoE layer, router to sum, in four launches: where it serves a token count,
 `router` and `shared_expert` ops of MoE layers are not used). They stand in for the backbone's
 stock ops through its routes while a planned step of a token count they serve runs, so the
 layer loop reads like the model's and every op without a stage is the backbone's own. A
-stage that cannot be built logs one warning and its ops stay stock. No fused boundary
-exists yet (glm5-comm), so every sublayer output is reduced (`partial` is False).
+stage that cannot be built logs one warning and its ops stay stock.
+
+The `boundary` stage replaces the loop's mHC boundaries themselves (post, pre, norm: dozens
+of stock kernels each) with one `MhcBoundary` kernel each: the first expands the embedding
+into the streams, the last takes the streams' mean and the final norm. Sublayer outputs are
+still reduced before it (`partial` is False): the all-reduce fused into the boundary is
+glm5-comm's, not built yet.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 from torch import Tensor
 
 from glm5_kernels.gemm import DenseMlp, Projection, Router, SharedExpert
+from glm5_kernels.mhc import MhcBoundary
 from glm5_kernels.moe import GroupedExperts, MegaExperts, MoeLayer
 from glm5_policy import DecodeConfig, Policy
 
@@ -248,11 +254,44 @@ class SpecializedDecode(LayerStages):
             self.head = {b: ops for b in tokens}
 
         self._build("logits_head", heads, choice="skinny")
+        # The mHC boundaries: one kernel object for all of them, their weights per site.
+        self.mhc: MhcBoundary | None = None
+        self.mhc_tokens: frozenset[int] = frozenset()
+        self._sites: dict[tuple[int, str], tuple[Tensor, ...]] = {}
+        self._build("boundary", self._boundaries)
+
+    def _boundaries(self, tokens: list[int]) -> None:
+        b = self.backbone
+        if b.mhc is None:
+            raise ValueError("the backbone's boundaries are not GLM's mHC (Backbone.mhc)")
+        shard, sites, missing = b.shards[0], {}, []  # replicated weights: any shard's
+        for layer in self.layers:
+            for site, norm in (("attn", "input_layernorm"), ("ffn", "post_attention_layernorm")):
+                p = f"layers.{layer.index}"
+                names = [*(f"{p}.{site}_hc.{n}" for n in ("fn", "scale", "base")),
+                         f"{p}.{norm}.weight"]  # fmt: skip
+                w = [b.weight(shard, n) for n in names]
+                missing += [n for n, t in zip(names, w, strict=True) if t is None]
+                sites[layer.index, site] = tuple(w)
+        final = b.weight(shard, "norm.weight")
+        if final is None:
+            missing.append("norm.weight")
+        if missing:
+            raise ValueError(f"no {', '.join(missing)}")
+        op = MhcBoundary(b.mhc, max_tokens=max(tokens), device=final.device)
+        for w in sites.values():
+            op.check_weights(*w)
+        op.check_weights(*sites[self.layers[0].index, "attn"][:3], final)
+        self._add(op, tokens, None, None)  # not a route: `run` calls it
+        self.mhc, self.mhc_tokens, self._sites = op, frozenset(tokens), sites
+        self._final_norm = final
 
     def prepare(self) -> set[str]:
         failed = super().prepare()
         if "logits_head" in failed:
             self.head = {}
+        if "boundary" in failed:
+            self.mhc = None
         return failed
 
     def plan(self, placement: Any, capturing: bool, graph: str = "FULL") -> Plan:
@@ -272,6 +311,8 @@ class SpecializedDecode(LayerStages):
         b = self.backbone
         with self.installed(step.tokens):
             x = b.embed(tokens) if embeds is None else embeds
+            if self.mhc is not None and step.tokens in self.mhc_tokens:
+                return self._fused_boundaries(x, placement)
             shape = x.shape
             streams = b.expand(x.reshape(-1, shape[-1]))
             for layer in self.layers:
@@ -282,6 +323,27 @@ class SpecializedDecode(LayerStages):
                 m = self.mlp(layer, h.view(shape))
                 streams = b.post(m.reshape(-1, shape[-1]), streams, post, comb)
             return b.final_norm(streams).view(shape)
+
+    def _fused_boundaries(self, x: Tensor, placement: Any) -> Tensor:
+        """`run`'s layer loop with each mHC boundary one kernel: the embedding expanded
+        into the streams and the first pre; between sublayers post -> pre -> norm; after the
+        last, post -> the streams' mean -> the final norm."""
+        shape, op, sites = x.shape, self.mhc, self._sites
+        assert op is not None
+
+        def rows(t: Tensor) -> Tensor:
+            return t.reshape(-1, shape[-1]).contiguous()
+
+        streams, post, comb, h = op.expand_pre(rows(x), *sites[self.layers[0].index, "attn"])
+        for i, layer in enumerate(self.layers):
+            a = rows(self.attention(layer, h.view(shape), placement))
+            streams, post, comb, h = op.post_pre(a, streams, post, comb, *sites[layer.index, "ffn"])
+            m = rows(self.mlp(layer, h.view(shape)))
+            if i + 1 == len(self.layers):
+                return op.head(m, streams, post, comb, self._final_norm).view(shape)
+            nxt = sites[self.layers[i + 1].index, "attn"]
+            streams, post, comb, h = op.post_pre(m, streams, post, comb, *nxt)
+        raise AssertionError("unreachable: a backbone has layers")
 
     def forward(
         self,

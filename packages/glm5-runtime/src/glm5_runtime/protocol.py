@@ -17,6 +17,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
+from glm5_kernels.mhc import MhcConfig
+
 from .plan import Rows
 
 __all__ = ["Backbone", "Layer", "Route", "Routing"]
@@ -64,6 +66,12 @@ class Backbone(Protocol):
     # [E, 2I, D] (each expert's gate rows, then its up rows) and `mlp.experts.down_proj`
     # [E, D, I], block-FP8 with `<name>_scale_inv` beside; the shared expert as an MLP.
     routing: Routing | None
+    # The mHC constants where the backbone's sublayer boundaries are GLM's (post; pre with
+    # Sinkhorn; the input RMSNorm; the final collapse is the streams' mean, then `norm.weight`),
+    # with one norm eps throughout; None keeps every boundary stock. A boundary's weights:
+    # `layers.{i}.{attn,ffn}_hc.{fn,scale,base}` and `layers.{i}.{input,post_attention}_
+    # layernorm.weight` (replicated: any shard's).
+    mhc: MhcConfig | None
     aux_layers: tuple[int, ...]  # layers whose hidden states a drafter collects
     # Attention weights holding several HF projections in one tensor, as the backbone runs
     # them: fused name (under a layer's `self_attn.`) -> the projections in it a stage may

@@ -190,6 +190,32 @@ class MhcBoundary:
             hc_boundary_kernel[grid](*args, PHASE=phase, **meta)
         return (streams if mode == 0 else new), post_out, comb_out, normed
 
+    def check_weights(self, fn, scale, base, norm_weight) -> None:
+        """A site's weights as the boundaries read them, or one error naming every problem
+        (a caller building boundaries ahead checks them before any step runs)."""
+        problems: list[str] = []
+
+        def want(name, t, shape, dtypes):
+            if t is None or tuple(t.shape) != shape or t.dtype not in dtypes:
+                got = "missing" if t is None else f"{tuple(t.shape)} {t.dtype}"
+                names = " or ".join(str(dt).removeprefix("torch.") for dt in dtypes)
+                problems.append(f"{name}: {got}, expected {list(shape)} {names}")
+            elif not t.is_contiguous():
+                problems.append(f"{name}: not contiguous")
+
+        self._check_weights((fn, scale, base), norm_weight, want)
+        if problems:
+            raise ValueError("MhcBoundary: " + "; ".join(problems))
+
+    def _check_weights(self, mix, norm, want) -> None:
+        c, floats = self.config, (torch.float32, torch.bfloat16)
+        if mix is not None:
+            fn, scale, base = mix
+            want("fn", fn, (c.mix, c.hc * c.hidden), floats)
+            want("scale", scale, (3,), floats)
+            want("base", base, (c.mix,), floats)
+        want("norm_weight", norm, (c.hidden,), floats)
+
     def _check(self, mode, x, streams, post, comb, fn, scale, base, norm, head, out) -> int:
         """The token count; every problem with the inputs in one error."""
         c, problems = self.config, []
@@ -218,11 +244,7 @@ class MhcBoundary:
             want("streams", streams, (m, h, d), bf16)
             want("post", post, (m, h), f32)
             want("comb", comb, (m, h, h), f32)
-        if not head:
-            want("fn", fn, (c.mix, h * d), (torch.float32, torch.bfloat16))
-            want("scale", scale, (3,), f32)
-            want("base", base, (c.mix,), f32)
-        want("norm_weight", norm, (d,), (torch.bfloat16, torch.float32))
+        self._check_weights(None if head else (fn, scale, base), norm, want)
         if out is not None:
             shapes = [(m, h, d), (m, h), (m, h, h), (m, d)]
             dtypes = [bf16, f32, f32, bf16]

@@ -146,18 +146,20 @@ def hc_boundary_kernel(
         else:
             # The mix input is the row RMS-normalized: its sum of squares is trace(G).
             r = 1.0 / tl.sqrt_rn((g00 + g11 + g22 + g33) / HD + rms_eps)
-            s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
+            s0 = _f32(scale_ptr)
+            s1 = _f32(scale_ptr + 1)
+            s2 = _f32(scale_ptr + 2)
             p0, p1, p2, p3 = _row4(r_row, tm)
-            p0 = _sigmoid(p0 * r * s0 + tl.load(base_ptr), INTERPRETER) + hc_eps
-            p1 = _sigmoid(p1 * r * s0 + tl.load(base_ptr + 1), INTERPRETER) + hc_eps
-            p2 = _sigmoid(p2 * r * s0 + tl.load(base_ptr + 2), INTERPRETER) + hc_eps
-            p3 = _sigmoid(p3 * r * s0 + tl.load(base_ptr + 3), INTERPRETER) + hc_eps
+            p0 = _sigmoid(p0 * r * s0 + _f32(base_ptr), INTERPRETER) + hc_eps
+            p1 = _sigmoid(p1 * r * s0 + _f32(base_ptr + 1), INTERPRETER) + hc_eps
+            p2 = _sigmoid(p2 * r * s0 + _f32(base_ptr + 2), INTERPRETER) + hc_eps
+            p3 = _sigmoid(p3 * r * s0 + _f32(base_ptr + 3), INTERPRETER) + hc_eps
             if pid_s == 0:
                 q0, q1, q2, q3 = _row4(r_row + 4, tm)
-                q0 = post_mult * _sigmoid(q0 * r * s1 + tl.load(base_ptr + 4), INTERPRETER)
-                q1 = post_mult * _sigmoid(q1 * r * s1 + tl.load(base_ptr + 5), INTERPRETER)
-                q2 = post_mult * _sigmoid(q2 * r * s1 + tl.load(base_ptr + 6), INTERPRETER)
-                q3 = post_mult * _sigmoid(q3 * r * s1 + tl.load(base_ptr + 7), INTERPRETER)
+                q0 = post_mult * _sigmoid(q0 * r * s1 + _f32(base_ptr + 4), INTERPRETER)
+                q1 = post_mult * _sigmoid(q1 * r * s1 + _f32(base_ptr + 5), INTERPRETER)
+                q2 = post_mult * _sigmoid(q2 * r * s1 + _f32(base_ptr + 6), INTERPRETER)
+                q3 = post_mult * _sigmoid(q3 * r * s1 + _f32(base_ptr + 7), INTERPRETER)
                 _store4(post_out_ptr + t * 4, q0, q1, q2, q3, tm)
                 _sinkhorn(r_row + 8, base_ptr + 8, comb_out_ptr + t * 16, r * s2, hc_eps, tm,
                           SINKHORN)  # fmt: skip
@@ -196,6 +198,11 @@ def _reduce(part_ptr, sum_ptr, t, T, splits, max_tokens, PW: tl.constexpr, BTR: 
 
 
 @triton.jit
+def _f32(ptr):
+    return tl.load(ptr).to(tl.float32)
+
+
+@triton.jit
 def _row4(ptr, tm):
     """Four consecutive reduced values of each token (L2 loads: another CTA wrote them)."""
     a = tl.load(ptr, mask=tm, other=0.0, cache_modifier=".cg")
@@ -218,14 +225,17 @@ def _softmax4(a, b, c, d, eps):
     """softmax over four values, + eps (the reference's comb before Sinkhorn)."""
     top = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
     a, b, c, d = tl.exp(a - top), tl.exp(b - top), tl.exp(c - top), tl.exp(d - top)
-    s = a + b + c + d
-    return a / s + eps, b / s + eps, c / s + eps, d / s + eps
+    inv = 1.0 / (a + b + c + d)
+    return a * inv + eps, b * inv + eps, c * inv + eps, d * inv + eps
 
 
 @triton.jit
 def _norm4(a, b, c, d, eps):
-    s = a + b + c + d + eps
-    return a / s, b / s, c / s, d / s
+    """Four values / (their sum + eps): one reciprocal, four products (the 19 Sinkhorn
+    iterations are the boundary's longest serial chain; a product by the reciprocal is
+    within one FP32 rounding of the quotient)."""
+    inv = 1.0 / (a + b + c + d + eps)
+    return a * inv, b * inv, c * inv, d * inv
 
 
 @triton.jit
@@ -236,21 +246,21 @@ def _sinkhorn(m_ptr, b_ptr, out_ptr, gain, eps, tm, ITERS: tl.constexpr):
     m10, m11, m12, m13 = _row4(m_ptr + 4, tm)
     m20, m21, m22, m23 = _row4(m_ptr + 8, tm)
     m30, m31, m32, m33 = _row4(m_ptr + 12, tm)
-    c00, c01, c02, c03 = _softmax4(m00 * gain + tl.load(b_ptr), m01 * gain + tl.load(b_ptr + 1),
-                                   m02 * gain + tl.load(b_ptr + 2),
-                                   m03 * gain + tl.load(b_ptr + 3), eps)  # fmt: skip
-    c10, c11, c12, c13 = _softmax4(m10 * gain + tl.load(b_ptr + 4),
-                                   m11 * gain + tl.load(b_ptr + 5),
-                                   m12 * gain + tl.load(b_ptr + 6),
-                                   m13 * gain + tl.load(b_ptr + 7), eps)  # fmt: skip
-    c20, c21, c22, c23 = _softmax4(m20 * gain + tl.load(b_ptr + 8),
-                                   m21 * gain + tl.load(b_ptr + 9),
-                                   m22 * gain + tl.load(b_ptr + 10),
-                                   m23 * gain + tl.load(b_ptr + 11), eps)  # fmt: skip
-    c30, c31, c32, c33 = _softmax4(m30 * gain + tl.load(b_ptr + 12),
-                                   m31 * gain + tl.load(b_ptr + 13),
-                                   m32 * gain + tl.load(b_ptr + 14),
-                                   m33 * gain + tl.load(b_ptr + 15), eps)  # fmt: skip
+    c00, c01, c02, c03 = _softmax4(m00 * gain + _f32(b_ptr), m01 * gain + _f32(b_ptr + 1),
+                                   m02 * gain + _f32(b_ptr + 2),
+                                   m03 * gain + _f32(b_ptr + 3), eps)  # fmt: skip
+    c10, c11, c12, c13 = _softmax4(m10 * gain + _f32(b_ptr + 4),
+                                   m11 * gain + _f32(b_ptr + 5),
+                                   m12 * gain + _f32(b_ptr + 6),
+                                   m13 * gain + _f32(b_ptr + 7), eps)  # fmt: skip
+    c20, c21, c22, c23 = _softmax4(m20 * gain + _f32(b_ptr + 8),
+                                   m21 * gain + _f32(b_ptr + 9),
+                                   m22 * gain + _f32(b_ptr + 10),
+                                   m23 * gain + _f32(b_ptr + 11), eps)  # fmt: skip
+    c30, c31, c32, c33 = _softmax4(m30 * gain + _f32(b_ptr + 12),
+                                   m31 * gain + _f32(b_ptr + 13),
+                                   m32 * gain + _f32(b_ptr + 14),
+                                   m33 * gain + _f32(b_ptr + 15), eps)  # fmt: skip
     c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)
     c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
     c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)

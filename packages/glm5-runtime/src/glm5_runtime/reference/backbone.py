@@ -10,7 +10,7 @@ from types import MappingProxyType
 import torch
 from torch import Tensor
 
-from glm5_kernels.mhc import hc_expand_ref, hc_head_ref, hc_post_ref
+from glm5_kernels.mhc import MhcConfig, hc_expand_ref, hc_head_ref, hc_post_ref
 from glm5_kernels.norm import rms_norm_ref
 
 from ..plan import Rows
@@ -39,6 +39,11 @@ class ReferenceBackbone:
         self.hidden_size, self.swiglu_limit = g.hidden_size, g.swiglu_limit
         self.ue8m0 = model.ranks[0].ue8m0
         self.routing = Routing(g.num_experts_per_tok, g.routed_scaling_factor)
+        # hc_mix_ref's post multiplier is GLM-5.3-Flash's 2.0; every norm uses rms_norm_eps.
+        self.mhc = MhcConfig(
+            hc=g.hc_mult, hidden=g.hidden_size, rms_eps=g.rms_norm_eps, hc_eps=g.hc_eps,
+            sinkhorn_iters=g.hc_sinkhorn_iters, norm_eps=g.rms_norm_eps, post_mult=2.0,
+        )  # fmt: skip
         self.draft_layers = [Layer(i, "mla", "moe") for i in model.mtp_layers]
         self._topk: Tensor | None = None  # the last full indexer layer's selection this step
 
