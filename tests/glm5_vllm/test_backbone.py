@@ -39,6 +39,8 @@ def _backbone(built):
 
 
 def test_layers_and_weights_map_onto_vllms_parameters(built):
+    from glm5_runtime.reference.backbone import ReferenceBackbone
+
     model, _, _, sd = built
     b = _backbone(built)
     g = built[2].g
@@ -48,10 +50,14 @@ def test_layers_and_weights_map_onto_vllms_parameters(built):
     ]
     assert {x.attention for x in b.layers} == {"kda", "mla"}
     assert b.shards == (0,) and b.hidden_size == g.hidden_size and b.aux_layers == ()
+    assert b.mhc == ReferenceBackbone(built[2]).mhc  # the boundary stage's constants
     mla = ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "o_proj", "indexer.wq_b")
-    names = ["lm_head.weight"]
+    names = ["lm_head.weight", "norm.weight"]
     for i, t in enumerate(g.mlp_layer_types):
         p = f"layers.{i}"
+        # The mHC boundaries' weights (vLLM keeps them on the layer: hc_attn_fn, ...).
+        names += [f"{p}.{site}_hc.{n}" for site in ("attn", "ffn") for n in ("fn", "scale", "base")]
+        names += [f"{p}.{n}.weight" for n in ("input_layernorm", "post_attention_layernorm")]
         projections = mla if g.is_mla(i) else ("q_proj", "k_proj", "v_proj", "o_proj")
         names += [f"{p}.self_attn.{n}.weight" for n in projections]
         if t == "dense":

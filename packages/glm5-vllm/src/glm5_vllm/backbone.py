@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from glm5_kernels.mhc import MhcConfig
 from glm5_runtime.plan import Rows, StepContext
 from glm5_runtime.protocol import Layer, Routing
 
@@ -91,6 +92,8 @@ class VllmBackbone:
         blocks = [l.index for l in (*self.layers, *self.draft_layers) if l.mlp == "moe"]
         self.routing = _routing(config, [self._module(f"layers.{i}.mlp") for i in blocks])
         self._hc = config.hc_mult
+        self.mhc = _mhc(config, [self.decoder.layers[x.index] for x in self.layers],
+                        getattr(self.decoder, "norm", None))  # fmt: skip
         self._routes: dict[nn.Module, dict[int | None, Any]] = {}
         # Layouts no stage reads -> the modules (vLLM names) whose weights were asked for.
         self.refused: dict[Layout, list[str]] = {}
@@ -129,6 +132,11 @@ class VllmBackbone:
         base, _, leaf = name.rpartition(".")
         if base.endswith(".mlp.experts") and leaf in EXPERT_TENSORS:
             return self._expert_tensor(base, EXPERT_TENSORS[leaf])
+        layer, _, site = base.rpartition(".")
+        if site in ("attn_hc", "ffn_hc"):  # vLLM keeps them on the layer: hc_attn_fn, ...
+            module = self._module(layer)
+            tensor = getattr(module, f"hc_{site[:-3]}_{leaf}", None)
+            return tensor.data if isinstance(tensor, Tensor) else None
         found = self._locate(name)
         if found is None:
             return None
@@ -391,6 +399,25 @@ def _routing(config, blocks: list[nn.Module | None]) -> Routing | None:
     if not (glm and all(served(b) for b in blocks)):
         return None
     return Routing(int(config.num_experts_per_tok), float(config.routed_scaling_factor))
+
+
+def _mhc(config, layers: list[nn.Module], norm: nn.Module | None) -> MhcConfig | None:
+    """The mHC constants where vLLM's decoder layers run GLM's boundaries with one norm eps
+    (input, post-attention and final norms) and its post multiplier; None otherwise (then
+    the boundaries stay vLLM's)."""
+    first = layers[0] if layers else None
+    if first is None or getattr(first, "hc_attn_fn", None) is None or norm is None:
+        return None
+    eps = {n.variance_epsilon for x in layers for n in (x.input_layernorm,
+                                                          x.post_attention_layernorm)}  # fmt: skip
+    eps.add(norm.variance_epsilon)
+    if len(eps) != 1:
+        return None
+    return MhcConfig(
+        hc=int(first.n), hidden=int(config.hidden_size), rms_eps=float(first.rms_norm_eps),
+        hc_eps=float(first.hc_eps), sinkhorn_iters=int(first.mhc_sinkhorn_iterations),
+        norm_eps=float(eps.pop()), post_mult=float(first.mhc_post_mult_value),
+    )  # fmt: skip
 
 
 def _is_linear(module: nn.Module) -> bool:
