@@ -9,8 +9,10 @@ rtol 1e-5 / atol 1e-6, as the references' own check against transformers. The no
 rounds three times (collapse, normalize, weight), each may land one ulp over, and its 1/rms
 comes from the Gram matrix of the unrounded collapse: the collapse's own rounding (relative
 error ~U(+-2^-9)) moves sum(c^2) by ~2^-8 / sqrt(D) relative, which tips about
-0.7 / sqrt(D) of the values to the neighbouring BF16. So: <= 3 ulps anywhere, and at most
-2 / sqrt(D) of the values off at all.
+2 * that / ulp ~ 2.5 / sqrt(D) of the values to the neighbouring BF16 (3.5 % measured on the
+H200 at D = 4096). And where the collapse sum_h pre_h s_h cancels to near zero, the FP32
+sums' order moves it by ~2^-22 of the terms (~ the row's RMS), many ulps of a tiny value. So:
+<= 3 ulps + 2^-16 x the row's RMS anywhere, and at most 4 / sqrt(D) of the values off.
 """
 
 import math
@@ -78,7 +80,12 @@ def assert_mix(post, comb, want_post, want_comb):
 
 def assert_normed(got, want):
     assert not got.isnan().any(), "normed: an element was not written"
+    want = want.float()
+    exp = torch.floor(torch.log2(want.abs().clamp(min=2.0**-126)))
+    floor = 2.0**-16 * want.square().mean(-1, keepdim=True).sqrt()
+    err = (got.float() - want).abs()
+    worst = ((err - floor).clamp(min=0) / torch.exp2(exp - 7)).max()
+    assert worst <= 3, f"normed: {worst} ulps beyond 2^-16 of the row's RMS"
     u = ulps(got, want)
-    assert u.max() <= 3, f"normed: {u.max()} ulps"
-    off, bound = (u > 0).float().mean().item(), 2 / got.shape[-1] ** 0.5
+    off, bound = (u > 0).float().mean().item(), 4 / got.shape[-1] ** 0.5
     assert off <= bound, f"normed: {off:.3f} of the values off, more than {bound:.3f}"
