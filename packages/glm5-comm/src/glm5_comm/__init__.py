@@ -1,5 +1,26 @@
 """glm5-comm: the NVLink one-shot all-reduce on torch symmetric memory, fused with the mHC
 boundary, residual + RMSNorm and the embedding; the logits all-gather. Each has a
-torch.distributed reference and a world-size-1 path."""
+torch.distributed reference and a world-size-1 path. Today: the references
+(`glm5_comm.reference`); the fused GPU exchange is not built yet."""
+
+from glm5_comm.reference import (
+    all_reduce_boundary_ref,
+    all_reduce_head_ref,
+    all_reduce_norm_ref,
+    all_reduce_ref,
+    embed_norm_ref,
+    logits_gather_ref,
+    moe_partial_ref,
+)
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "all_reduce_boundary_ref",
+    "all_reduce_head_ref",
+    "all_reduce_norm_ref",
+    "all_reduce_ref",
+    "embed_norm_ref",
+    "logits_gather_ref",
+    "moe_partial_ref",
+]
