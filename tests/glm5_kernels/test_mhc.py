@@ -176,3 +176,29 @@ def test_bad_input_names_every_problem():
                          torch.empty(3, 64, dtype=torch.bfloat16)))  # fmt: skip
     with pytest.raises(ValueError, match="hc=3, the kernel is built for 4 streams"):
         MhcBoundary(type(c)(3, 64, 1e-6, 1e-6, 20, 1e-5), device="cpu")
+
+
+def test_prepare_compiles_the_weight_dtypes_it_was_shown(monkeypatch):
+    """`check_weights` records each site's dtypes; `prepare` runs every boundary for each
+    (so a first launch inside a CUDA-graph capture never compiles)."""
+    c = config(64)
+    gen = torch.Generator().manual_seed(1)
+    op = _op(c)
+    seen = []
+    run = MhcBoundary._run
+
+    def recorded(self, mode, x, s, p, k, fn, *rest):
+        norm = rest[-2]
+        seen.append((mode, fn is None, None if fn is None else fn.dtype, norm.dtype))
+        return run(self, mode, x, s, p, k, fn, *rest)
+
+    monkeypatch.setattr(MhcBoundary, "_run", recorded)
+    op.prepare([2])
+    assert {d for _, _, d, _ in seen} == {torch.float32, None}  # nothing shown: FP32 mix weights
+    seen.clear()
+    op.check_weights(*site_weights(c, "cpu", gen, torch.bfloat16, torch.float32))
+    op.prepare([1, 3])
+    assert sorted(set(seen), key=str) == sorted(
+        {(1, False, torch.bfloat16, torch.float32), (2, False, torch.bfloat16, torch.float32),
+         (2, True, None, torch.float32)}, key=str)  # fmt: skip
+    assert len(seen) == 6  # three boundaries x two token counts

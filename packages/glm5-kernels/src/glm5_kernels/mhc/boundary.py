@@ -9,9 +9,9 @@ are ~80). Here each is one kernel (`triton_mhc.hc_boundary_kernel`):
     post_pre(y, streams, post, comb, ...)    every other boundary (hc_fused_post_pre_ref)
     head(y, streams, post, comb, norm)       the last: post, the streams' mean, final norm
 
-Numerics: the streams round as transformers' BF16 post does; mix, Sinkhorn and norms run in
-FP32. The norm's 1/rms comes from the streams' Gram matrix (the unrounded collapse), so the
-normed output may differ from the reference's by one BF16 rounding.
+Numerics: the streams round as transformers' BF16 post does (bit-equal); mix, Sinkhorn and
+norms run in FP32. The norm's 1/rms comes from the streams' Gram matrix (the unrounded
+collapse), so a normed value may land on the neighbouring BF16 of the reference's.
 
 One object serves every boundary of a model on one stream: its workspace (partial sums and
 barrier words) is reused by each call in stream order.
@@ -82,6 +82,9 @@ class MhcBoundary:
         self._part = torch.zeros(self._max_splits, max_tokens, pw, device=self._device)
         self._sum = torch.zeros(max_tokens, pw, device=self._device)
         self._bar = torch.zeros(-(-max_tokens // 16), dtype=torch.int32, device=self._device)
+        # The weight dtypes `check_weights` has seen: `prepare` compiles for each (a first
+        # launch inside a CUDA-graph capture must not compile).
+        self._dtypes: set[tuple[torch.dtype, ...]] = set()
 
     def _plan(self, m: int) -> _Plan:
         """Token blocks of 16 (the mix dot's M). Columns per CTA from the H200 sweep of
@@ -109,16 +112,21 @@ class MhcBoundary:
         return 1 <= m <= self.max_tokens
 
     def prepare(self, tokens) -> None:
-        """Compile every kind of boundary for each token count (before CUDA-graph capture)."""
+        """Compile every kind of boundary for each token count (before CUDA-graph capture),
+        for the weight dtypes `check_weights` has seen (FP32 mix weights and a BF16 norm
+        where it has seen none)."""
         c, dev = self.config, self._device
-        fn = torch.zeros(c.mix, c.hc * c.hidden, device=dev)
-        scale, base = torch.ones(3, device=dev), torch.zeros(c.mix, device=dev)
-        norm = torch.ones(c.hidden, dtype=torch.bfloat16, device=dev)
-        for m in tokens:
-            x = torch.zeros(m, c.hidden, dtype=torch.bfloat16, device=dev)
-            streams, post, comb, _ = self.expand_pre(x, fn, scale, base, norm)
-            self.post_pre(x, streams, post, comb, fn, scale, base, norm)
-            self.head(x, streams, post, comb, norm)
+        bf16, f32 = torch.bfloat16, torch.float32
+        for fn_t, scale_t, base_t, norm_t in self._dtypes or {(f32, f32, f32, bf16)}:
+            fn = torch.zeros(c.mix, c.hc * c.hidden, dtype=fn_t, device=dev)
+            scale = torch.ones(3, dtype=scale_t, device=dev)
+            base = torch.zeros(c.mix, dtype=base_t, device=dev)
+            norm = torch.ones(c.hidden, dtype=norm_t, device=dev)
+            for m in tokens:
+                x = torch.zeros(m, c.hidden, dtype=bf16, device=dev)
+                streams, post, comb, _ = self.expand_pre(x, fn, scale, base, norm)
+                self.post_pre(x, streams, post, comb, fn, scale, base, norm)
+                self.head(x, streams, post, comb, norm)
 
     # The boundaries.
     def pre(self, streams, fn, scale, base, norm_weight, *, out=None):
@@ -206,6 +214,7 @@ class MhcBoundary:
         self._check_weights((fn, scale, base), norm_weight, want)
         if problems:
             raise ValueError("MhcBoundary: " + "; ".join(problems))
+        self._dtypes.add((fn.dtype, scale.dtype, base.dtype, norm_weight.dtype))
 
     def _check_weights(self, mix, norm, want) -> None:
         c, floats = self.config, (torch.float32, torch.bfloat16)
