@@ -133,7 +133,7 @@ def moe_cases(arch: int) -> int:
 
 def mhc_cases(arch: int) -> int:
     """The mHC boundary kernel at the real shape (4 streams, hidden 4096) with the plans'
-    tiles at 1, 8 and 64 tokens: every mode, one launch (grid barrier) and the two phases."""
+    tiles at 1, 8 and 64 tokens: every mode, one launch (the wait) and the two phases."""
     from types import SimpleNamespace
 
     from glm5_kernels.mhc.boundary import MhcBoundary, MhcConfig
@@ -147,19 +147,21 @@ def mhc_cases(arch: int) -> int:
     types |= {"bar_ptr": "*i32", "T": "i32", "D": "i32", "max_tokens": "i32"}
     types |= {n: "fp32" for n in ("rms_eps", "hc_eps", "norm_eps", "post_mult")}
     n = 0
-    for m in (1, 8, 64):
+    # Every mode and the one-launch form at one token; the post at 8 and 64 tokens (other
+    # tiles), there also as the two phases.
+    cases = [(1, mode, head, 0) for mode, head in ((1, False), (2, False), (2, True), (0, False))]
+    cases += [(8, 2, False, 0)] + [(64, 2, False, phase) for phase in (0, 1, 2)]
+    for m, mode, head, phase in cases:
         p = MhcBoundary._plan(op, m)
-        for mode, head, phase in ((1, False, 0), (2, False, 0), (2, True, 0), (0, False, 0),
-                                  (2, False, 1), (2, False, 2)):  # fmt: skip
-            constexprs = {"H": 4, "BT": p.bt, "BD": p.bd, "BTR": min(16, m), "SR": p.sr,
-                          "NMIX_P": 32, "MODE": mode, "STORE": mode != 0 and not head,
-                          "HEAD": head, "SINKHORN": 20, "PHASE": phase, "INTERPRETER": False,
-                          "PDL": True}  # fmt: skip
-            ptx = _compile(hc_boundary_kernel, types, constexprs, arch, num_warps=p.warps,
-                           enable_fp_fusion=False)  # fmt: skip
-            if phase == 0:  # the barrier: acquire / release atomics, and PDL
-                assert "atom" in ptx and "griddepcontrol.wait" in ptx, (m, mode, head)
-            n += 1
+        constexprs = {"H": 4, "BT": p.bt, "BD": p.bd, "BTR": min(16, m), "SR": p.sr,
+                      "NMIX_P": 32, "MODE": mode, "STORE": mode != 0 and not head,
+                      "HEAD": head, "SINKHORN": 20, "PHASE": phase, "INTERPRETER": False,
+                      "PDL": True}  # fmt: skip
+        ptx = _compile(hc_boundary_kernel, types, constexprs, arch, num_warps=p.warps,
+                       enable_fp_fusion=False)  # fmt: skip
+        if phase == 0:  # the wait: acquire / release atomics, and PDL
+            assert "atom" in ptx and "griddepcontrol.wait" in ptx, (m, mode, head)
+        n += 1
     return n
 
 
