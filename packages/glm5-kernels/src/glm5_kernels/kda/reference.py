@@ -18,6 +18,7 @@ from torch import Tensor
 
 __all__ = [
     "gated_rms_norm_ref",
+    "kda_decode_ref",
     "kda_gate_ref",
     "kda_recurrence_ref",
     "short_conv_ref",
@@ -96,3 +97,75 @@ def gated_rms_norm_ref(
     normed = of * torch.rsqrt(of.square().mean(-1, keepdim=True) + eps)
     # Unlike rms_norm_ref, the weight stays fp32 and there is no intermediate cast.
     return (weight.float() * normed * torch.sigmoid(gate.float())).to(out_dtype)
+
+
+def kda_decode_ref(
+    qkv: Tensor,
+    f: Tensor,
+    b: Tensor,
+    gate: Tensor,
+    conv: Tensor,
+    recurrent: Tensor,
+    conv_weight: Tensor,
+    dt_bias: Tensor,
+    A_log: Tensor,
+    norm_weight: Tensor,
+    *,
+    conv_slots: Tensor,
+    conv_offset: Tensor,
+    read_slots: Tensor,
+    write_slots: Tensor,
+    keep: bool,
+    lower_bound: float | None,
+    eps: float,
+) -> Tensor:
+    """One KDA decode / verify step of R requests x T tokens from the projections' outputs,
+    caches updated in place (vLLM 0.33's layouts), as the reference backbone runs it:
+
+    qkv [R, T, 3C'] (q | k | v, C' = H*K), f [R, T, H*K] (f_b output), b [R, T, H] (beta
+    logits), gate [R, T, H*V] (g_b output), all the model dtype; conv [slots, W-2+q, 3C']
+    (a W-1 window at conv_offset of row conv_slots), recurrent [slots, H, V, K] FP32 (read at
+    read_slots, written at write_slots [R, T]: every token's state with `keep` (a verify),
+    else the last; -1 is not stored); conv_weight [3C', W]. -> [R, T, H*V] gated-RMSNormed
+    output in the model dtype, ready for o_proj.
+    """
+    r, t, c3 = qkv.shape
+    h, width = A_log.shape[0], conv_weight.shape[1]
+    kd, vd = f.shape[-1] // h, gate.shape[-1] // h
+    dtype = qkv.dtype
+    window = conv_offset[:, None] + torch.arange(width - 1, device=qkv.device)
+    rows = conv_slots[:, None]
+    history = conv[rows, window]  # [R, W-1, 3C']
+    full = torch.cat([history, qkv.to(conv.dtype)], dim=1)  # [R, W-1+T, 3C']
+
+    def channels(x: Tensor) -> Tensor:  # requests are independent channels
+        return x.transpose(0, 1).reshape(x.shape[1], r * c3)
+
+    y, _ = short_conv_ref(channels(qkv), channels(history), conv_weight.repeat(r, 1))
+    y = y.reshape(t, r, c3).transpose(0, 1)
+    q, k, v = y.split([h * kd, h * kd, h * vd], dim=-1)
+    g = kda_gate_ref(f.reshape(r * t, -1), dt_bias, A_log, lower_bound).reshape(r, t, h, kd)
+    beta = torch.sigmoid(b.float())
+
+    def heads(x: Tensor, d: int | None = None) -> Tensor:  # [R, T, H(*d)] -> [T, R*H(, d)]
+        x = x.reshape(r, t, h, -1) if d else x
+        return x.transpose(0, 1).reshape(t, r * h, *((d,) if d else ()))
+
+    state = recurrent[read_slots].transpose(-1, -2).reshape(r * h, kd, vd)
+    o, final, states = kda_recurrence_ref(
+        heads(q, kd), heads(k, kd), heads(v, vd), heads(g, kd), heads(beta), state,
+        all_states=keep,
+    )  # fmt: skip
+    for i in range(t) if keep else [t - 1]:
+        s = final if states is None else states[i]
+        keep_rows = write_slots[:, i] >= 0
+        recurrent[write_slots[keep_rows, i]] = s.reshape(r, h, kd, vd).transpose(-1, -2)[keep_rows]
+    # Conv rows: a verify stores its W-2+T newest inputs from column 0 (the window after
+    # accepting n starts at column n - 1); a decode overwrites its window.
+    if keep:
+        conv[rows, torch.arange(width - 2 + t, device=qkv.device)] = full[:, 1:]
+    else:
+        conv[rows, window] = full[:, -(width - 1) :]
+    o = o.reshape(t, r, h, vd).transpose(0, 1).to(dtype)
+    out = gated_rms_norm_ref(o, gate.reshape(r, t, h, vd), norm_weight, eps, dtype)
+    return out.reshape(r, t, h * vd)
