@@ -26,7 +26,7 @@ def _compile(kernel, types: dict, constexprs: dict, arch: int, **options) -> str
     attrs = {
         (names.index(n),): [["tt.divisibility", 16]]
         for n in names
-        if n in ALIGNED or types.get(n, "").startswith("*")
+        if n not in constexprs and (n in ALIGNED or types.get(n, "").startswith("*"))
     }
     src = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options).asm["ptx"]
@@ -165,9 +165,35 @@ def mhc_cases(arch: int) -> int:
     return n
 
 
+def kda_cases(arch: int) -> int:
+    """The KDA decode kernel at GLM-5.3-Flash's head (K = V = 128, conv width 4, the safe
+    gate): a decode (1 token), verifies of 2 and 8 tokens (every state kept), and the
+    softplus gate."""
+    from glm5_kernels.kda.triton_kda import kda_decode_kernel
+
+    types = {n: "*bf16" for n in ("qkv_ptr", "f_ptr", "b_ptr", "gate_ptr", "out_ptr", "conv_ptr")}
+    types |= {n: "*fp32" for n in ("rec_ptr", "conv_w_ptr", "dt_bias_ptr", "a_log_ptr")}
+    types |= {"norm_w_ptr": "*fp32"}
+    types |= {
+        n: "*i64" for n in ("conv_slot_ptr", "conv_off_ptr", "read_slot_ptr", "write_slot_ptr")
+    }
+    types |= {n: "i32" for n in ("stride_qkv", "stride_f", "stride_b", "stride_g", "stride_out",
+                                 "stride_cs", "stride_cc", "stride_rs", "H")}  # fmt: skip
+    types |= {n: "fp32" for n in ("q_scale", "lower_bound", "eps")}
+    n = 0
+    for t, keep, lb in ((1, False, True), (2, True, True), (8, True, True), (1, False, False)):
+        constexprs = {"T": t, "K": 128, "V": 128, "W": 4, "KEEP": keep, "HAS_LB": lb,
+                      "INTERPRETER": False, "PDL": True}  # fmt: skip
+        ptx = _compile(kda_decode_kernel, types, constexprs, arch, num_warps=8)
+        assert "griddepcontrol.wait" in ptx and "st.local" not in ptx, (t, keep, lb)  # no spills
+        n += 1
+    return n
+
+
 if __name__ == "__main__":
     arch = int(sys.argv[1])
     gemm = bf16_cases(arch) + fp8_cases(arch)
     print(f"sm{arch}: compiled {gemm} kernels")
     print(f"sm{arch}: compiled {moe_cases(arch)} MoE kernels")
     print(f"sm{arch}: compiled {mhc_cases(arch)} mHC kernels")
+    print(f"sm{arch}: compiled {kda_cases(arch)} KDA kernels")

@@ -1,4 +1,4 @@
-"""The skinny-GEMM, MoE and mHC boundary Triton kernels compile for SM90 (Hopper) and SM100
+"""The skinny-GEMM, MoE, mHC boundary and KDA decode Triton kernels compile for SM90 (Hopper) and SM100
 (Blackwell) on this CPU with the launch options the ops use (compile_cases.py): catches a
 kernel only the interpreter accepts, and on SM90 checks the PTX has wgmma, pipelined cp.async
 weight loads and PDL.
@@ -27,3 +27,4 @@ def test_kernels_compile(arch):
     moe = re.search(rf"sm{arch}: compiled (\d+) MoE kernels", child.stdout)
     assert moe and int(moe.group(1)) >= 9, child.stdout  # route, gate_up, down: 3+ tiles each
     assert f"sm{arch}: compiled 8 mHC kernels" in child.stdout
+    assert f"sm{arch}: compiled 4 KDA kernels" in child.stdout

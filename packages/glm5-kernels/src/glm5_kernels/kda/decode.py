@@ -1,0 +1,153 @@
+"""A KDA layer's decode / verify step as one kernel: `KdaDecode`.
+
+From the projections' outputs (q | k | v rows, the forget gate's f_b output, the beta
+logits, the output gate's g_b output) to the gated-RMSNormed rows o_proj reads, with the
+BF16 conv state and the FP32 recurrent state updated in place in vLLM 0.33's layouts — the
+same contract as `kda_decode_ref`, one launch (`triton_kda.kda_decode_kernel`, a CTA per
+request and head).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from glm5_kernels.gemm.linear import _capturing, _interpreting, _pdl
+
+__all__ = ["KdaDecode"]
+
+
+class KdaDecode:
+    """One KDA layer's weights: conv_weight [3C', W] (C' = H*K; q | k | v channels), dt_bias
+    [H*K], A_log [H], the output norm's weight [V]; `lower_bound` of the forget gate (None:
+    -exp(A_log) * softplus), the output norm's `eps`; steps of up to `max_tokens` tokens per
+    request."""
+
+    def __init__(
+        self,
+        conv_weight: Tensor,
+        dt_bias: Tensor,
+        A_log: Tensor,
+        norm_weight: Tensor,
+        *,
+        lower_bound: float | None,
+        eps: float,
+        max_tokens: int = 8,
+    ):
+        h = A_log.numel()
+        k = dt_bias.numel() // max(h, 1)
+        v = norm_weight.numel()
+        problems = []
+        if conv_weight.dim() != 2 or conv_weight.shape[0] != 2 * h * k + h * v:
+            problems.append(
+                f"conv_weight: {tuple(conv_weight.shape)}, expected [{2 * h * k + h * v}, W]"
+            )
+        for name, n in (("K", k), ("V", v)):
+            if n < 16 or n & (n - 1):
+                problems.append(f"{name}={n}: a power of two >= 16 expected")
+        if dt_bias.numel() != h * k:
+            problems.append(f"dt_bias: {dt_bias.numel()} values, expected H*K = {h * k}")
+        if problems:
+            raise ValueError("KdaDecode: " + "; ".join(problems))
+        self.conv_weight = conv_weight.contiguous()
+        self.dt_bias, self.A_log = dt_bias.contiguous(), A_log.reshape(-1).contiguous()
+        self.norm_weight = norm_weight.contiguous()
+        self.heads, self.k, self.v, self.width = h, k, v, conv_weight.shape[1]
+        self.lower_bound, self.eps, self.max_tokens = lower_bound, eps, max_tokens
+        self._device = conv_weight.device
+        self._pdl, self._interp = _pdl(self._device), _interpreting()
+
+    def supports(self, tokens: int) -> bool:
+        return 1 <= tokens <= self.max_tokens
+
+    def __call__(
+        self,
+        qkv: Tensor,
+        f: Tensor,
+        b: Tensor,
+        gate: Tensor,
+        conv: Tensor,
+        recurrent: Tensor,
+        *,
+        conv_slots: Tensor,
+        conv_offset: Tensor,
+        read_slots: Tensor,
+        write_slots: Tensor,
+        keep: bool,
+        out: Tensor | None = None,
+    ) -> Tensor:
+        """qkv [R, T, >= 3C'] (q | k | v first; rows may be strided), f [R, T, H*K], b [R, T,
+        H], gate [R, T, H*V]; conv [slots, W-2+q, 3C'] BF16, recurrent [slots, H, V, K] FP32
+        (in place); conv_slots / conv_offset / read_slots [R], write_slots [R, T] int32 or
+        int64 (-1: not stored); `keep`: every token's state (a verify). -> [R, T, H*V]."""
+        r, t = qkv.shape[0], qkv.shape[1]
+        self._check(qkv, f, b, gate, conv, recurrent, conv_slots, conv_offset, read_slots,
+                    write_slots, out)  # fmt: skip
+        h, k, v = self.heads, self.k, self.v
+        if out is None:
+            out = torch.empty(r, t, h * v, dtype=qkv.dtype, device=qkv.device)
+        from glm5_kernels.kda.triton_kda import kda_decode_kernel
+
+        idx = [x.contiguous() for x in (conv_slots, conv_offset, read_slots, write_slots)]
+        lb = self.lower_bound
+        kda_decode_kernel[(r, h)](
+            qkv, f, b, gate, out, conv, recurrent,
+            self.conv_weight, self.dt_bias, self.A_log, self.norm_weight, *idx,
+            qkv.stride(1), f.stride(1), b.stride(1), gate.stride(1), out.stride(1),
+            conv.stride(0), conv.stride(1), recurrent.stride(0),
+            h, k**-0.5, 0.0 if lb is None else lb, self.eps,
+            T=t, K=k, V=v, W=self.width, KEEP=keep, HAS_LB=lb is not None,
+            INTERPRETER=self._interp, PDL=self._pdl, num_warps=8, launch_pdl=self._pdl,
+        )  # fmt: skip
+        return out
+
+    def _check(self, qkv, f, b, gate, conv, rec, conv_slots, conv_offset, read_slots,
+               write_slots, out) -> None:  # fmt: skip
+        """Every problem with a call's inputs in one error (slot ranges: outside capture)."""
+        h, k, v, w = self.heads, self.k, self.v, self.width
+        r, t = qkv.shape[0], qkv.shape[1] if qkv.dim() == 3 else -1
+        problems = []
+        if not self.supports(t):
+            problems.append(f"T={t} tokens per request, outside 1..{self.max_tokens}")
+
+        def rows(name, x, width, dtypes=(torch.bfloat16,)):
+            # [R, T, >= width], columns contiguous, rows at a uniform stride (token r*T + t).
+            ok = (x.dim() == 3 and x.shape[:2] == (r, t) and x.shape[2] >= width
+                  and x.dtype in dtypes and x.stride(2) == 1
+                  and x.stride(0) == t * x.stride(1))  # fmt: skip
+            if not ok:
+                got = f"{tuple(x.shape)} {x.dtype} strides {x.stride()}"
+                problems.append(f"{name}: {got}, expected [{r}, {t}, {width}] bfloat16 rows")
+
+        rows("qkv", qkv, 2 * h * k + h * v)
+        rows("f", f, h * k)
+        rows("b", b, h)
+        rows("gate", gate, h * v)
+        if out is not None:
+            rows("out", out, h * v)
+        c = 2 * h * k + h * v
+        if (conv.dim() != 3 or conv.shape[2] != c or conv.stride(2) != 1
+                or conv.dtype != torch.bfloat16 or conv.shape[1] < w - 2 + t):  # fmt: skip
+            problems.append(f"conv: {tuple(conv.shape)} {conv.dtype}, expected [slots, >= "
+                            f"{w - 2 + t}, {c}] bfloat16, channels contiguous")  # fmt: skip
+        if (rec.dim() != 4 or tuple(rec.shape[1:]) != (h, v, k) or rec.dtype != torch.float32
+                or not rec[0].is_contiguous()):  # fmt: skip
+            problems.append(f"recurrent: {tuple(rec.shape)} {rec.dtype}, expected [slots, {h}, "
+                            f"{v}, {k}] float32, each slot contiguous")  # fmt: skip
+        places = [("conv_slots", conv_slots, (r,)), ("conv_offset", conv_offset, (r,)),
+                  ("read_slots", read_slots, (r,)),
+                  ("write_slots", write_slots, (r, t))]  # fmt: skip
+        for name, x, shape in places:
+            if tuple(x.shape) != shape or x.dtype not in (torch.int32, torch.int64):
+                problems.append(f"{name}: {tuple(x.shape)} {x.dtype}, expected {list(shape)} int")
+        if not problems and not _capturing():  # a host sync: only outside capture
+            slots = conv.shape[0]
+            for name, x, low in (("conv_slots", conv_slots, 0), ("read_slots", read_slots, 0),
+                                 ("write_slots", write_slots, -1)):  # fmt: skip
+                if x.numel() and (x.min() < low or x.max() >= min(slots, rec.shape[0])):
+                    problems.append(f"{name}: outside [{low}, {min(slots, rec.shape[0])})")
+            if conv_offset.numel() and (conv_offset.min() < 0
+                                        or conv_offset.max() + w - 1 > conv.shape[1]):  # fmt: skip
+                problems.append(f"conv_offset: a window past the {conv.shape[1]} conv columns")
+        if problems:
+            raise ValueError("KdaDecode: " + "; ".join(problems))
