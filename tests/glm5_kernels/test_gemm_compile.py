@@ -1,5 +1,5 @@
-"""The skinny-GEMM, MoE, mHC boundary and KDA decode Triton kernels compile for SM90 (Hopper) and SM100
-(Blackwell) on this CPU with the launch options the ops use (compile_cases.py): catches a
+"""The skinny-GEMM, MoE, mHC boundary and KDA decode Triton kernels compile for SM90 (Hopper)
+and SM100 (Blackwell) on this CPU with the launch options the ops use (compile_cases.py): catches a
 kernel only the interpreter accepts, and on SM90 checks the PTX has wgmma, pipelined cp.async
 weight loads and PDL.
 Under TRITON_INTERPRET=1 kernels cannot compile, so the cases run in a child without it."""

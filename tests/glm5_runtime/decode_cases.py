@@ -3,12 +3,15 @@ and `shadow`, which makes each stage op also run the stock op it replaces on the
 
 import torch
 
+from glm5_kernels.kda import kda_decode_ref
+
 # The MoE stage: per-route at 1-4 tokens, grouped at 5-16 and 33-64 (16-token groups cut
 # there), stock router + shared expert ops at 17-32. The fused mHC boundaries everywhere
 # but 17-20 tokens (the stock boundaries beside the stages there).
 ALL_STAGES = {
     "moe": {"1-4": "per_route", "5-16": "grouped", "33-64": "grouped"},
     "boundary": {"1-16": "nvlink", "21-64": "nvlink"},
+    "kda": {"1-64": "fused"},
     **{
         stage: {"1-64": choice}
         for stage, choice in [
@@ -29,10 +32,13 @@ ALL_STAGES = {
 # 2^-4: every intermediate code half an e4m3 step off. glm5-kernels' own tests check the two
 # GEMMs apart, tightly; here a wrong weight or row (error ~1) is what must not pass.
 # The MoE layer: the same FP8 MLP bound on its routed + shared sum (whose routing is exact:
-# the tests' models route every token to every expert).
+# the tests' models route every token to every expert). The fused KDA step against
+# kda_decode_ref on the same caches: its BF16 rows round twice (o, then the gated norm: ~2^-8.5
+# rms) and a conv output may land on the neighbouring BF16 (the sums' order), which the
+# state carries: 2^-7 for the rows and for the state it writes.
 CALL_BOUND = {
     "Projection": 4e-3, "Router": 1e-5, "SharedExpert": 2**-4, "DenseMlp": 2**-4,
-    "MoeLayer": 2**-4,
+    "MoeLayer": 2**-4, "KdaDecode": 2**-7, "KdaState": 2**-7,
 }  # fmt: skip
 
 
@@ -56,7 +62,9 @@ class Shadow:
     def supports(self, m):
         return self.op.supports(m)
 
-    def __call__(self, x):
+    def __call__(self, x, *args, **kw):
+        if type(self.op).__name__ == "KdaDecode":
+            return self._kda(x, *args, **kw)
         y = self.op(x)
         routes, self.rank.routes = self.rank.routes, {}  # the stock op, this once
         try:
@@ -71,6 +79,19 @@ class Shadow:
         finally:
             self.rank.routes = routes
         self.pairs.append((type(self.op).__name__, self.name, y, ref))
+        return y
+
+    def _kda(self, qkv, f, b, gate, conv, rec, **place):
+        """The fused KDA step on the caches, `kda_decode_ref` on copies taken before: the
+        rows and the recurrent state each wrote (the conv state moves raw inputs: exact)."""
+        op, conv_ref, rec_ref = self.op, conv.clone(), rec.clone()
+        y = op(qkv, f, b, gate, conv, rec, **place)
+        ref = kda_decode_ref(qkv, f, b, gate, conv_ref, rec_ref, op.conv_weight, op.dt_bias,
+                             op.A_log, op.norm_weight, **place, lower_bound=op.lower_bound,
+                             eps=op.eps)  # fmt: skip
+        self.pairs.append(("KdaDecode", self.name, y, ref))
+        self.pairs.append(("KdaState", self.name, rec.clone(), rec_ref))
+        self.pairs.append(("KdaConv", self.name, conv.clone(), conv_ref))
         return y
 
 
@@ -88,6 +109,6 @@ def check_calls(pairs, worst=None) -> None:
     for (kind, name, y, ref), err in zip(pairs, errors, strict=True):
         if worst is not None:
             worst[kind] = max(worst.get(kind, 0.0), err)
-        if not err <= CALL_BOUND[kind]:  # NaN fails too
+        if not err <= CALL_BOUND.get(kind, 0.0):  # NaN fails too; KdaConv: exact
             nans = (y.isnan().any().item(), ref.isnan().any().item())
             raise AssertionError((kind, name, err, "NaN in (op, stock):", nans))

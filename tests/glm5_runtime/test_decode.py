@@ -71,7 +71,9 @@ def test_planned_steps_equal_stock(q):
     pairs = []
     shadow(decode, spec, pairs)
     kinds = {op.__class__.__name__ for op, _ in decode.ops}
-    assert kinds == {"Projection", "Router", "SharedExpert", "DenseMlp", "MoeLayer", "MhcBoundary"}
+    assert kinds == {
+        "Projection", "Router", "SharedExpert", "DenseMlp", "MoeLayer", "MhcBoundary", "KdaDecode"
+    }  # fmt: skip
     assert decode.mhc is not None and decode.mhc_tokens == {q, q * q}
     assert decode.batches == [q, q * q]
 
@@ -154,7 +156,7 @@ def test_stage_that_cannot_build_warns_once_and_runs_stock(caplog):
     assert any("dense_mlp runs stock" in w for w in warned)
     assert any("moe runs stock" in w for w in warned)
     kinds = {op.__class__.__name__ for op, _ in decode.ops}
-    assert kinds == {"Projection", "Router", "MhcBoundary"}  # the BF16 stages still build
+    assert kinds == {"Projection", "Router", "MhcBoundary", "KdaDecode"}  # the BF16 ones build
     routed = {name for _, name, _ in decode.routes[2]}
     assert not any(name.endswith((".mlp", ".shared_experts")) for name in routed)
 
@@ -182,7 +184,7 @@ def test_stage_that_cannot_compile_warns_once_and_runs_stock(caplog, monkeypatch
     ]
     assert decode.mhc is None  # planned steps run the stock boundaries
     kinds = {op.__class__.__name__ for op, _ in decode.ops}
-    assert kinds == {"Projection", "SharedExpert", "DenseMlp"}  # shared experts: served again
+    assert kinds == {"Projection", "SharedExpert", "DenseMlp", "KdaDecode"}  # shared: served again
     assert not any(name.endswith(".gate.weight") for _, name, _ in decode.routes[2])
     assert not any(type(op).__name__ == "MoeLayer" for _, _, op in decode.routes[2])
     assert decode.head  # the other stages are untouched
@@ -310,3 +312,32 @@ def test_boundaries_need_glms_mhc_and_their_weights(caplog):
     assert len(warned) == 1 and "stage boundary runs stock" in warned[0], warned
     assert decode.mhc is None
     assert not any(type(op).__name__ == "MhcBoundary" for op, _ in decode.ops)
+
+
+def test_kda_stage_needs_the_backbones_route_and_split_gate_says_it_is_not_built(caplog):
+    """A backbone whose KDA layers take no fused stage (`kda` None, as vLLM's adapter today)
+    keeps them stock with one warning; a policy picking `split_gate` (not built) says so."""
+    model = _model(_small())
+    backbone = ReferenceBackbone(model)
+    backbone.kda = None
+    config = DecodeConfig.build(max_context=64, q=Q, capture_sizes=SIZES, policy=ALL_STAGES)
+    with caplog.at_level(logging.WARNING, logger="glm5_runtime"):
+        decode = SpecializedDecode(backbone, config)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [
+        "Specialized decode: stage kda runs stock (ValueError: the backbone's KDA layers do not "
+        "take the fused stage (Backbone.kda))"
+    ]
+    assert not any(name.endswith(".kda") for _, name, _ in decode.routes[2])
+
+    caplog.clear()
+    policy = {**ALL_STAGES, "kda": {"1-2": "fused", "3-64": "split_gate"}}
+    config = DecodeConfig.build(max_context=64, q=Q, capture_sizes=SIZES, policy=policy)
+    with caplog.at_level(logging.WARNING, logger="glm5_runtime"):
+        decode = SpecializedDecode(ReferenceBackbone(model), config)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [
+        "Specialized decode: kda split_gate is not built; 4-token steps run KDA stock"
+    ]
+    assert any(name.endswith(".kda") for _, name, _ in decode.routes[2])
+    assert not any(name.endswith(".kda") for _, name, _ in decode.routes[4])

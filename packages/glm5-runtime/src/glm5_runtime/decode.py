@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from glm5_kernels.gemm import DenseMlp, Projection, Router, SharedExpert
+from glm5_kernels.kda import KdaDecode
 from glm5_kernels.mhc import MhcBoundary
 from glm5_kernels.moe import GroupedExperts, MegaExperts, MoeLayer
 from glm5_policy import DecodeConfig, Policy
@@ -78,6 +79,13 @@ class LayerStages:
         self._build("dense_mlp", self._mlps("dense", "mlp", DenseMlp))
         # After router / shared_expert: where it serves a token count, it is the whole layer.
         self._build("moe", self._moe)
+        self._build("kda", self._kda, choice="fused")
+        split = [m for m in self.batches if self.policy("kda", m) == "split_gate"]
+        if split and any(
+            x.attention == "kda" for x in self.layers
+        ):  # not built yet: say so once, rather than run stock without a word
+            logger.warning("Specialized decode: kda split_gate is not built; %s-token steps "
+                           "run KDA stock", ",".join(map(str, split)))  # fmt: skip
 
     def _build(self, stage: str, build: Callable[[list[int]], None], choice=None) -> None:
         """Build one stage for the token counts the policy gives it (`choice`: only those
@@ -184,6 +192,28 @@ class LayerStages:
                 op = MoeLayer(Router(router), {m: ops[c] for m, c in choice.items()})
                 self._add(op, tokens, shard, p)
                 self.supersedes.append(("moe", shard, {f"{p}.gate.weight", se}, tokens))
+
+    def _kda(self, tokens: list[int]) -> None:
+        """Each KDA layer's conv -> gates -> delta rule -> gated norm as one `KdaDecode`
+        launch, between the backbone's projections and o_proj (route `self_attn.kda`)."""
+        b = self.backbone
+        if b.kda is None:
+            raise ValueError("the backbone's KDA layers do not take the fused stage (Backbone.kda)")
+        for layer in (x for x in self.layers if x.attention == "kda"):
+            for shard in b.shards:
+                p = f"layers.{layer.index}.self_attn"
+                names = [f"{p}.conv1d.weight", f"{p}.forget_gate.dt_bias",
+                         f"{p}.forget_gate.A_log", f"{p}.o_norm.weight"]  # fmt: skip
+                w = [b.weight(shard, n) for n in names]
+                missing = [n for n, t in zip(names, w, strict=True) if t is None]
+                if missing:
+                    raise ValueError(f"no {', '.join(missing)}")
+                conv, dt_bias, a_log, norm = w
+                op = KdaDecode(
+                    conv.reshape(conv.shape[0], -1), dt_bias, a_log.reshape(-1), norm,
+                    lower_bound=b.kda.lower_bound, eps=b.kda.eps,
+                )  # fmt: skip
+                self._add(op, tokens, shard, f"{p}.kda")
 
     def prepare(self) -> set[str]:
         """Compile every stage op for its token counts (before any CUDA-graph capture). A

@@ -21,7 +21,7 @@ from glm5_kernels.mhc import MhcConfig
 
 from .plan import Rows
 
-__all__ = ["Backbone", "Layer", "Route", "Routing"]
+__all__ = ["Backbone", "Kda", "Layer", "Route", "Routing"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,15 @@ class Routing:
 
     top_k: int
     routed_scaling: float
+
+
+@dataclass(frozen=True)
+class Kda:
+    """What the fused KDA stage needs besides weights: the forget gate's lower bound (None:
+    the softplus gate) and the output gated RMSNorm's eps."""
+
+    lower_bound: float | None
+    eps: float
 
 
 class Route(Protocol):
@@ -72,6 +81,13 @@ class Backbone(Protocol):
     # `layers.{i}.{attn,ffn}_hc.{fn,scale,base}` and `layers.{i}.{input,post_attention}_
     # layernorm.weight` (replicated: any shard's).
     mhc: MhcConfig | None
+    # Where the backbone's KDA layers take the fused KDA stage (attention-stage state, seam
+    # 5): the route `layers.{i}.self_attn.kda` gets the layer's projections' outputs (q | k |
+    # v rows, f_b's, b's, g_b's), its conv and recurrent state tensors and the step's neutral
+    # placement (conv_slots, conv_offset, read_slots, write_slots, keep) and returns the
+    # gated-normed rows o_proj reads; weights `conv1d.weight`, `forget_gate.dt_bias`,
+    # `forget_gate.A_log`, `o_norm.weight` under `layers.{i}.self_attn.`. None: KDA stays stock.
+    kda: Kda | None
     aux_layers: tuple[int, ...]  # layers whose hidden states a drafter collects
     # Attention weights holding several HF projections in one tensor, as the backbone runs
     # them: fused name (under a layer's `self_attn.`) -> the projections in it a stage may

@@ -92,6 +92,9 @@ class VllmBackbone:
         blocks = [l.index for l in (*self.layers, *self.draft_layers) if l.mlp == "moe"]
         self.routing = _routing(config, [self._module(f"layers.{i}.mlp") for i in blocks])
         self._hc = config.hc_mult
+        # The fused KDA stage's route into vLLM's KDA layer (its conv / recurrent state and
+        # GDN metadata as the neutral placement) is not wired yet: KDA stays vLLM's.
+        self.kda = None
         self.mhc = _mhc(config, [self.decoder.layers[x.index] for x in self.layers],
                         getattr(self.decoder, "norm", None))  # fmt: skip
         self._routes: dict[nn.Module, dict[int | None, Any]] = {}

@@ -56,9 +56,28 @@ class KdaDecode:
         self.lower_bound, self.eps, self.max_tokens = lower_bound, eps, max_tokens
         self._device = conv_weight.device
         self._pdl, self._interp = _pdl(self._device), _interpreting()
+        self._ready: set[tuple[int, bool]] = set()  # (tokens per request, keep) compiled
 
     def supports(self, tokens: int) -> bool:
         return 1 <= tokens <= self.max_tokens
+
+    def prepare(self, tokens=None) -> None:
+        """Compile every step shape (1..max_tokens tokens per request; decodes and, above
+        one token, verifies) on scratch caches, before any CUDA-graph capture. (`tokens`,
+        the step sizes a caller plans, do not narrow it: a step's tokens per request are
+        not known from its size.)"""
+        h, k, v, w, dev = self.heads, self.k, self.v, self.width, self._device
+        c, bf16 = 2 * h * k + h * v, torch.bfloat16
+        for t in range(1, self.max_tokens + 1):
+            for keep in (False, True) if t > 1 else (False,):
+                rows = [torch.zeros(1, t, n, dtype=bf16, device=dev)
+                        for n in (c, h * k, h, h * v)]  # fmt: skip
+                conv = torch.zeros(2, w - 2 + t, c, dtype=bf16, device=dev)
+                rec = torch.zeros(2, h, v, k, device=dev)
+                one = torch.ones(1, dtype=torch.int64, device=dev)
+                write = torch.ones(1, t, dtype=torch.int64, device=dev)
+                place = dict(conv_slots=one, conv_offset=one - 1, read_slots=one)
+                self(*rows, conv, rec, **place, write_slots=write, keep=keep)
 
     def __call__(
         self,
@@ -84,6 +103,13 @@ class KdaDecode:
         self._check(qkv, f, b, gate, conv, recurrent, conv_slots, conv_offset, read_slots,
                     write_slots, out)  # fmt: skip
         h, k, v = self.heads, self.k, self.v
+        if (t, keep) not in self._ready:
+            if _capturing():  # a capture must never compile
+                raise RuntimeError(
+                    f"KdaDecode: {t} tokens per request (keep={keep}) not prepared; call "
+                    "prepare() before CUDA-graph capture"
+                )
+            self._ready.add((t, keep))
         if out is None:
             out = torch.empty(r, t, h * v, dtype=qkv.dtype, device=qkv.device)
         from glm5_kernels.kda.triton_kda import kda_decode_kernel

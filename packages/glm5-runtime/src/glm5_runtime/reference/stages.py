@@ -118,8 +118,22 @@ class RankStages:
         g, a = self.g, f"layers.{layer}.self_attn"
         R, T, _ = x.shape
         mixed = torch.cat([self.linear(x, f"{a}.{p}_proj.weight") for p in "qkv"], dim=-1)
-        C = mixed.shape[-1]
+        f = self.linear(
+            self.linear(x, f"{a}.forget_gate.f_a_proj.weight"), f"{a}.forget_gate.f_b_proj.weight"
+        )
+        b = self.linear(x, f"{a}.b_proj.weight")
+        gate_o = self.linear(self.linear(x, f"{a}.g_a_proj.weight"), f"{a}.g_b_proj.weight")
         conv, rec = self.c.conv[layer], self.c.recurrent[layer]
+        keep = step.keep_states and T > 1
+        fused = self.routes.get(f"{a}.kda")  # the fused KDA stage: conv to gated norm
+        if fused is not None and x.dtype == torch.bfloat16 and fused.supports(T):
+            o = fused(
+                mixed, f, b, gate_o, conv, rec, conv_slots=step.conv_slots,
+                conv_offset=step.conv_offset, read_slots=step.read_slots,
+                write_slots=step.write_slots, keep=keep,
+            )  # fmt: skip
+            return self.linear(o, f"{a}.o_proj.weight")
+        C = mixed.shape[-1]
         weight = self.w[f"{a}.conv1d.weight"][:, 0]  # [C, W]
         width = weight.shape[1]
         window = step.conv_offset[:, None] + torch.arange(width - 1, device=x.device)
@@ -135,23 +149,19 @@ class RankStages:
         y = y.reshape(T, R, C).transpose(0, 1)
         hk, kd = g.linear_num_heads // g.tp_size, g.linear_head_dim
         q, k, v = (t.reshape(R, T, hk, kd) for t in y.split(C // 3, dim=-1))
-        f = self.linear(
-            self.linear(x, f"{a}.forget_gate.f_a_proj.weight"), f"{a}.forget_gate.f_b_proj.weight"
-        )
         gate = kda_gate_ref(
             f.reshape(R * T, -1),
             self.w[f"{a}.forget_gate.dt_bias"],
             self.w[f"{a}.forget_gate.A_log"],
             g.linear_lower_bound,
         ).reshape(R, T, hk, kd)
-        beta = torch.sigmoid(self.linear(x, f"{a}.b_proj.weight").float())  # [R, T, hk]
+        beta = torch.sigmoid(b.float())  # [R, T, hk]
 
         def heads(t: Tensor) -> Tensor:  # [R, T, hk, ...] -> [T, R*hk, ...]
             return t.transpose(0, 1).reshape(T, R * hk, *t.shape[3:])
 
         # vLLM keeps the recurrent state as [slots, heads, V, K]; the recurrence runs [K, V].
         state = rec[step.read_slots].transpose(-1, -2).reshape(R * hk, kd, kd)
-        keep = step.keep_states and T > 1
         o, final, states = self.recurrence(
             heads(q), heads(k), heads(v), heads(gate), heads(beta), state, all_states=keep
         )
@@ -166,7 +176,6 @@ class RankStages:
         else:
             conv[rows, window] = full[:, -(width - 1) :].to(conv.dtype)
         o = o.reshape(T, R, hk, kd).transpose(0, 1).to(x.dtype)
-        gate_o = self.linear(self.linear(x, f"{a}.g_a_proj.weight"), f"{a}.g_b_proj.weight")
         o = gated_rms_norm_ref(
             o, gate_o.reshape(R, T, hk, kd), self.w[f"{a}.o_norm.weight"], g.rms_norm_eps, x.dtype
         )

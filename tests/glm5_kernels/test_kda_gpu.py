@@ -1,0 +1,98 @@
+"""The KDA decode kernel on the GPU at GLM-5.3-Flash's heads (K = V = 128, conv width 4, the
+safe gate), TP 1 (64 heads) and a TP-4 rank (16): 64 consecutive steps alternating decodes
+and verifies of q tokens with random partial acceptance, requests in scattered state slots,
+a request joining mid-run, q | k | v read as strided rows of a wider projection output,
+NaN-poisoned outputs; rows, recurrent and conv states against `kda_decode_ref` after every
+step (tolerances: test_kda.py's)."""
+
+import pytest
+import torch
+
+from glm5_kernels.kda import KdaDecode, kda_decode_ref
+
+pytestmark = pytest.mark.gpu
+
+K = V = 128
+W = 4
+
+
+@pytest.mark.parametrize("heads, requests, q", [(16, 1, 1), (16, 8, 2), (64, 3, 4), (16, 32, 4)])
+def test_consecutive_steps_equal_the_reference(heads, requests, q):
+    gen = torch.Generator("cuda").manual_seed(heads + requests + q)
+    c = heads * (2 * K + V)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, device="cuda") * scale
+
+    w = dict(conv_weight=randn(c, W, scale=W**-0.5), dt_bias=randn(heads * K, scale=0.5),
+             A_log=randn(heads, scale=0.5), norm_weight=1 + randn(V, scale=0.1),
+             lower_bound=-5.0, eps=1e-5)  # fmt: skip
+    op = KdaDecode(**w, max_tokens=8)
+    op.prepare()
+    r, slots = requests, 2 + requests * q + q
+    conv = randn(slots, W - 2 + q, c).bfloat16()
+    rec = randn(slots, heads, V, K, scale=0.1)
+    caches = {"kernel": (conv.clone(), rec.clone()), "ref": (conv.clone(), rec.clone())}
+    owned = torch.randperm(slots - 1, generator=gen, device="cuda")[: r * q].view(r, q) + 1
+    current = torch.zeros(r, dtype=torch.int64, device="cuda")
+    for step in range(64):
+        if step == 32:  # a request joins: fresh state slots, zeroed like vLLM's
+            for cache in (*caches["kernel"], *caches["ref"]):
+                cache[owned[-1]] = 0
+            current[-1] = 0
+        verify = q > 1 and step % 2 == 1
+        t = q if verify else 1
+        read = owned[torch.arange(r, device="cuda"), current]
+        if verify:
+            write = owned[:, :t]
+        else:
+            write = torch.full((r, t), -1, device="cuda", dtype=torch.int64)
+            write[:, -1] = read
+        place = dict(conv_slots=owned[:, 0], conv_offset=current, read_slots=read,
+                     write_slots=write, keep=verify)  # fmt: skip
+        wide = randn(r, t, c + 7).bfloat16()  # q | k | v, then other projections' columns
+        x = (wide[..., :c], randn(r, t, heads * K).bfloat16(), randn(r, t, heads).bfloat16(),
+             randn(r, t, heads * V).bfloat16())  # fmt: skip
+        want = kda_decode_ref(*x, *caches["ref"], **w, **place)
+        out = torch.full((r, t, heads * V), float("nan"), device="cuda").bfloat16()
+        got = op(*x, *caches["kernel"], **place, out=out)
+        assert not got.isnan().any(), step
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)
+        torch.testing.assert_close(caches["kernel"][1], caches["ref"][1], rtol=1e-4, atol=1e-5)
+        assert torch.equal(caches["kernel"][0], caches["ref"][0]), step
+        if verify:  # accept 1..q tokens: resume from that token's state and conv column
+            current = torch.randint(0, q, (r,), generator=gen, device="cuda")
+
+
+def test_a_captured_step_replays_like_eager():
+    """prepare(), then a verify step captured in a CUDA graph: replays update the caches as
+    the eager call does."""
+    gen = torch.Generator("cuda").manual_seed(7)
+    heads, r, q = 16, 4, 4
+    c = heads * (2 * K + V)
+    zeros = torch.zeros(heads * K, device="cuda")
+    op = KdaDecode(torch.randn(c, W, generator=gen, device="cuda") / 2, zeros, zeros[:heads],
+                   torch.ones(V, device="cuda"), lower_bound=-5.0, eps=1e-5, max_tokens=q)  # fmt: skip
+    op.prepare()
+    conv = torch.randn(1 + r * q, W - 2 + q, c, generator=gen, device="cuda").bfloat16()
+    rec = torch.randn(1 + r * q, heads, V, K, generator=gen, device="cuda") * 0.1
+    owned = torch.arange(1, 1 + r * q, device="cuda").view(r, q)
+    place = dict(conv_slots=owned[:, 0], conv_offset=torch.zeros(r, dtype=torch.int64,
+                 device="cuda"), read_slots=owned[:, 0], write_slots=owned, keep=True)  # fmt: skip
+    x = [torch.randn(r, q, n, generator=gen, device="cuda").bfloat16()
+         for n in (c, heads * K, heads, heads * V)]  # fmt: skip
+    start = (conv.clone(), rec.clone())
+    eager = op(*x, conv, rec, **place)
+    after = (conv.clone(), rec.clone())
+    conv.copy_(start[0])
+    rec.copy_(start[1])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = op(*x, conv, rec, **place)
+    for _ in range(3):
+        conv.copy_(start[0])
+        rec.copy_(start[1])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
+        assert torch.equal(conv, after[0]) and torch.equal(rec, after[1])
