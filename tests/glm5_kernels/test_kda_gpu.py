@@ -71,8 +71,8 @@ def test_a_captured_step_replays_like_eager():
     heads, r, q = 16, 4, 4
     c = heads * (2 * K + V)
     zeros = torch.zeros(heads * K, device="cuda")
-    op = KdaDecode(torch.randn(c, W, generator=gen, device="cuda") / 2, zeros, zeros[:heads],
-                   torch.ones(V, device="cuda"), lower_bound=-5.0, eps=1e-5, max_tokens=q)  # fmt: skip
+    conv_w, norm = torch.randn(c, W, generator=gen, device="cuda") / 2, torch.ones(V, device="cuda")
+    op = KdaDecode(conv_w, zeros, zeros[:heads], norm, lower_bound=-5.0, eps=1e-5, max_tokens=q)
     op.prepare()
     conv = torch.randn(1 + r * q, W - 2 + q, c, generator=gen, device="cuda").bfloat16()
     rec = torch.randn(1 + r * q, heads, V, K, generator=gen, device="cuda") * 0.1
