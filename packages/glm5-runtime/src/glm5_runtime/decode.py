@@ -14,7 +14,9 @@ The `boundary` stage replaces the loop's mHC boundaries themselves (post, pre, n
 of stock kernels each) with one `MhcBoundary` kernel each: the first expands the embedding
 into the streams, the last takes the streams' mean and the final norm. Sublayer outputs are
 still reduced before it (`partial` is False): the all-reduce fused into the boundary is
-glm5-comm's, not built yet.
+glm5-comm's, not built yet. The `kda` stage runs each KDA layer's conv -> gates -> delta
+rule -> gated norm as one `KdaDecode` launch between the backbone's projections and o_proj,
+on the layer's caches and the step's neutral placement (the `self_attn.kda` route).
 """
 
 from __future__ import annotations
@@ -80,10 +82,9 @@ class LayerStages:
         # After router / shared_expert: where it serves a token count, it is the whole layer.
         self._build("moe", self._moe)
         self._build("kda", self._kda, choice="fused")
+        # `split_gate` is not built yet: say so once rather than run stock without a word.
         split = [m for m in self.batches if self.policy("kda", m) == "split_gate"]
-        if split and any(
-            x.attention == "kda" for x in self.layers
-        ):  # not built yet: say so once, rather than run stock without a word
+        if split and any(x.attention == "kda" for x in self.layers):
             logger.warning("Specialized decode: kda split_gate is not built; %s-token steps "
                            "run KDA stock", ",".join(map(str, split)))  # fmt: skip
 
