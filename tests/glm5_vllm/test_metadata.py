@@ -103,3 +103,34 @@ def test_step_context_reads_vllms_forward_context(vllm_config):
     assert decision.step is None and "capture" in decision.reason
     capturing = type(inside)(**{**vars(inside), "capturing": True})
     assert plan(capturing, (4, 8), q=4).step.q == 4
+
+
+def test_kda_placement_from_real_gdn_metadata():
+    """vLLM's GDN metadata as the fused KDA stage's neutral placement: a uniform verify reads
+    each request's state at its accepted column and keeps every token's; a plain decode
+    reads and writes in place; prefills and mixed batches get none (vLLM's path runs)."""
+    from glm5_vllm.metadata import kda_placement
+
+    verify = _gdn(spec=3, q=4)
+    verify.spec_state_indices_tensor = torch.tensor(
+        [[5, 6, 7, 8], [9, 10, 11, 12], [1, 2, 3, 4]], dtype=torch.int32
+    )
+    verify.num_accepted_tokens = torch.tensor([1, 3, 4], dtype=torch.int32)
+    p = kda_placement(verify)
+    assert p.keep
+    assert p.conv_slots.tolist() == [5, 9, 1] and p.conv_offset.tolist() == [0, 2, 3]
+    assert p.read_slots.tolist() == [5, 11, 4]
+    assert torch.equal(p.write_slots, verify.spec_state_indices_tensor)
+    assert set(p.kwargs()) == {"conv_slots", "conv_offset", "read_slots", "write_slots", "keep"}
+
+    decode = _gdn(decodes=2)
+    decode.non_spec_state_indices_tensor = torch.tensor([7, 3, 0], dtype=torch.int32)  # padded
+    p = kda_placement(decode)
+    assert not p.keep
+    assert p.read_slots.tolist() == [7, 3] and p.write_slots.tolist() == [[7], [3]]
+    assert p.conv_slots.tolist() == [7, 3] and p.conv_offset.tolist() == [0, 0]
+
+    mixed = _gdn(decodes=1, spec=1, q=2)
+    mixed.num_accepted_tokens = torch.ones(1, dtype=torch.int32)
+    for md in (_gdn(prefills=1, prefill_tokens=5), mixed):
+        assert kda_placement(md) is None

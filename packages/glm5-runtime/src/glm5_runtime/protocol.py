@@ -21,7 +21,7 @@ from glm5_kernels.mhc import MhcConfig
 
 from .plan import Rows
 
-__all__ = ["Backbone", "Kda", "Layer", "Route", "Routing"]
+__all__ = ["Backbone", "Kda", "KdaPlacement", "Layer", "Route", "Routing"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,25 @@ class Kda:
 
     lower_bound: float | None
     eps: float
+
+
+@dataclass(frozen=True)
+class KdaPlacement:
+    """A step's KDA cache placement in neutral tensors (seam 5), R requests x T tokens:
+    conv_slots [R] (the request's conv-state row) and conv_offset [R] (its W-1 window's first
+    column: accepted - 1 after a verify); read_slots [R] (the recurrent state it starts from)
+    and write_slots [R, T] (where the state after each token goes, -1: not stored); `keep`:
+    every token's state (a verify), else the last only."""
+
+    conv_slots: Tensor
+    conv_offset: Tensor
+    read_slots: Tensor
+    write_slots: Tensor
+    keep: bool
+
+    def kwargs(self) -> dict:
+        """The fused KDA stage's placement keywords."""
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
 
 class Route(Protocol):

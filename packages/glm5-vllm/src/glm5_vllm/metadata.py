@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from glm5_runtime.plan import Rows, StepContext
+from glm5_runtime.protocol import KdaPlacement
 
-__all__ = ["rows_of", "step_context"]
+__all__ = ["kda_placement", "rows_of", "step_context"]
 
 
 def rows_of(md: Any) -> Rows:
@@ -45,3 +46,32 @@ def step_context(
     by_layer = context.attn_metadata
     rows = {n: rows_of(md) for n, md in by_layer.items()} if isinstance(by_layer, dict) else {}
     return StepContext(tokens, capturing, graph, pipeline_input, aux_layers, rows)
+
+
+def kda_placement(md: Any) -> KdaPlacement | None:
+    """A KDA layer's `GDNAttentionMetadata` as the neutral placement the fused KDA stage reads,
+    for the steps it serves: a uniform verify (every request a spec decode of T tokens: state
+    after token t to spec_state_indices[r, t], start from column accepted - 1, the conv
+    window there) or a plain decode (every request one token, state read and written in
+    place at non_spec_state_indices[r], window at column 0). None for anything else
+    (prefills, mixed batches): those steps run vLLM's own path. Tensor ops only (no host
+    sync: capturable)."""
+    import torch
+
+    if md.num_prefills:
+        return None
+    if md.num_spec_decodes and not md.num_decodes:
+        slots, accepted = md.spec_state_indices_tensor, md.num_accepted_tokens
+        if slots is None or accepted is None:
+            return None
+        r = md.num_spec_decodes
+        slots, start = slots[:r], accepted[:r].long() - 1
+        read = slots.gather(1, start[:, None])[:, 0]
+        return KdaPlacement(slots[:, 0], start, read, slots, keep=slots.shape[1] > 1)
+    if md.num_decodes and not md.num_spec_decodes:
+        slots = md.non_spec_state_indices_tensor
+        if slots is None:
+            return None
+        slots = slots[: md.num_decodes]
+        return KdaPlacement(slots, torch.zeros_like(slots), slots, slots[:, None], keep=False)
+    return None
