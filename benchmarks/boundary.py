@@ -25,6 +25,7 @@ from provenance import provenance, result_args, write_result
 
 from glm5_kernels.mhc import MhcBoundary, MhcConfig, hc_fused_post_pre_ref
 from glm5_kernels.timing import graph_calls_us, hbm_bandwidth
+from glm5_runtime.bench import call_launches
 
 D, H = 4096, 4
 CONFIG = MhcConfig(hc=H, hidden=D, rms_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20, norm_eps=1e-5)
@@ -48,18 +49,6 @@ def stock(args):
     c = CONFIG
     eps = {"rms_eps": c.rms_eps, "hc_eps": c.hc_eps, "sinkhorn_iters": c.sinkhorn_iters}
     return lambda: hc_fused_post_pre_ref(*args, **eps, norm_eps=c.norm_eps)
-
-
-def launches(fn) -> int | None:
-    from glm5_runtime.bench import graph_nodes
-
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph(keep_graph=True)
-    with torch.cuda.graph(graph):
-        fn()
-    nodes = graph_nodes(graph)
-    return None if nodes is None else nodes.get("kernel", 0)
 
 
 def boundary_bytes(m: int) -> int:
@@ -92,7 +81,7 @@ def main() -> None:
         stock_us, us = graph_calls_us(stocks), graph_calls_us(ours)
         row = {"world": 1, "tokens": m, "us": us, "stock_us": stock_us, "nccl_us": None,
                "floor_us": floor, "floor_ratio": us / floor, "speedup_vs_stock": stock_us / us,
-               "launches": launches(ours[0]), "stock_launches": launches(stocks[0]),
+               "launches": call_launches(ours[0]), "stock_launches": call_launches(stocks[0]),
                "max_rel_error": err, "plan": vars(op.plans[m])}  # fmt: skip
         rows.append(row)
         print(f"T={m:2d}: {us:6.2f} µs (floor {floor:5.2f}, ×{us / floor:.2f}) stock "

@@ -37,6 +37,7 @@ from glm5_kernels.gemm.library import block_fp8_supported, fp8_mlp_library, rout
 from glm5_kernels.moe import GroupedExperts, MegaExperts, route_ref, swiglu_ref
 from glm5_kernels.quant import dequantize_fp8_block_ref, quantize_fp8_block_ref
 from glm5_kernels.timing import graph_calls_us, hbm_bandwidth
+from glm5_runtime.bench import call_launches
 
 E, D, K, LIMIT, SCALING, INTER = 288, 4096, 8, 10.0, 2.5, 2048
 COPIES = 8  # routings / router / shared-expert copies cycled through per graph
@@ -187,18 +188,6 @@ def layer_call(router, experts, shared_mlp, stream, x, logits):
     return run
 
 
-def launches(fn) -> int | None:
-    from glm5_runtime.bench import graph_nodes
-
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph(keep_graph=True)
-    with torch.cuda.graph(graph):
-        fn()
-    nodes = graph_nodes(graph)
-    return None if nodes is None else nodes.get("kernel", 0)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", default="1,4")
@@ -279,7 +268,7 @@ def main() -> None:
                     us = graph_calls_us(fns)
                     rows.append({**base, "path": path, "us": us, "floor_ratio": us / floor,
                                  "speedup_vs_library": library_us / us, "rel_error": err,
-                                 "launches": launches(fns[0])})  # fmt: skip
+                                 "launches": call_launches(fns[0])})  # fmt: skip
                     if args.sweep:
                         touched_bytes = sum(touched) / COPIES + 1
                         floors = {
@@ -297,7 +286,7 @@ def main() -> None:
                     print(json.dumps(rows[-1]))
                 rows.append({**base, "path": "library", "us": library_us,
                              "floor_ratio": library_us / floor, "speedup_vs_library": 1.0,
-                             "launches": launches(library[0])})  # fmt: skip
+                             "launches": call_launches(library[0])})  # fmt: skip
         del experts, w13, s13, w2, s2, ops, shared
         torch.cuda.empty_cache()
     result = {

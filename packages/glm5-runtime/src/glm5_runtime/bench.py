@@ -34,7 +34,7 @@ from .reference.backbone import ReferenceBackbone
 from .reference.stages import _pages
 from .stage_timer import STAGES
 
-__all__ = ["StageMarks", "floor_bytes", "graph_nodes", "plot", "run", "table"]
+__all__ = ["StageMarks", "call_launches", "floor_bytes", "graph_nodes", "plot", "run", "table"]
 
 BETWEEN = "mhc, norms, reduce"  # what runs between the stages: hc pre / post, norms, the sums
 
@@ -107,6 +107,18 @@ class StageMarks:
         for (a, label), (b, _) in zip(self.marks, self.marks[1:], strict=False):
             ms[label] += a.elapsed_time(b)
         return dict(ms)
+
+
+def call_launches(fn) -> int | None:
+    """Kernel launches of one call of `fn` (run once eagerly first, then captured); None
+    where cuda-python is missing."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph):
+        fn()
+    nodes = graph_nodes(graph)
+    return None if nodes is None else nodes.get("kernel", 0)
 
 
 def floor_bytes(model: ReferenceModel, batch: int, context: int) -> float:
