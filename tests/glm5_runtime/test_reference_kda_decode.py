@@ -1,6 +1,7 @@
 """glm5-kernels' `kda_decode_ref` (a KDA layer's decode / verify step from its projections'
-outputs, caches in place: the fused KDA stage's spec) equals the reference backbone's own KDA
-layer bit for bit: output and every cache it writes, for decodes, verifies with partial
+outputs, caches in place: the fused KDA stage's spec) between the projections and o_proj is
+the reference backbone's KDA layer bit for bit (the layer runs it; transformers checks the
+layer, test_oracle.py): output and every cache it writes, for decodes, verifies with partial
 acceptance and requests in arbitrary state slots."""
 
 import torch

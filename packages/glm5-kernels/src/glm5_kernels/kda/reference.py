@@ -118,6 +118,7 @@ def kda_decode_ref(
     keep: bool,
     lower_bound: float | None,
     eps: float,
+    recurrence=kda_recurrence_ref,
 ) -> Tensor:
     """One KDA decode / verify step of R requests x T tokens from the projections' outputs,
     caches updated in place (vLLM 0.33's layouts), as the reference backbone runs it:
@@ -127,7 +128,8 @@ def kda_decode_ref(
     (a W-1 window at conv_offset of row conv_slots), recurrent [slots, H, V, K] FP32 (read at
     read_slots, written at write_slots [R, T]: every token's state with `keep` (a verify),
     else the last; -1 is not stored); conv_weight [3C', W]. -> [R, T, H*V] gated-RMSNormed
-    output in the model dtype, ready for o_proj.
+    output in the model dtype, ready for o_proj. `recurrence`: the delta rule over stacked
+    heads, `kda_recurrence_ref`'s contract (a caller may swap in a library kernel).
     """
     r, t, c3 = qkv.shape
     h, width = A_log.shape[0], conv_weight.shape[1]
@@ -152,14 +154,17 @@ def kda_decode_ref(
         return x.transpose(0, 1).reshape(t, r * h, *((d,) if d else ()))
 
     state = recurrent[read_slots].transpose(-1, -2).reshape(r * h, kd, vd)
-    o, final, states = kda_recurrence_ref(
+    o, final, states = recurrence(
         heads(q, kd), heads(k, kd), heads(v, vd), heads(g, kd), heads(beta), state,
         all_states=keep,
     )  # fmt: skip
     for i in range(t) if keep else [t - 1]:
-        s = final if states is None else states[i]
-        keep_rows = write_slots[:, i] >= 0
-        recurrent[write_slots[keep_rows, i]] = s.reshape(r, h, kd, vd).transpose(-1, -2)[keep_rows]
+        s = (final if states is None else states[i]).reshape(r, h, kd, vd).transpose(-1, -2)
+        # -1 (not stored) rewrites the null slot 0 with its own value: no host sync, so the
+        # step stays capturable.
+        slots = write_slots[:, i].long()
+        at = slots.clamp(min=0)
+        recurrent[at] = torch.where((slots >= 0)[:, None, None, None], s, recurrent[at])
     # Conv rows: a verify stores its W-2+T newest inputs from column 0 (the window after
     # accepting n starts at column n - 1); a decode overwrites its window.
     if keep:

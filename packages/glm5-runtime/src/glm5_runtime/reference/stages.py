@@ -17,12 +17,7 @@ from torch import Tensor
 
 from glm5_kernels.dsa import index_logits_fp8_ref, kpool_compress_ref, rotate_quant_fp8_ref
 from glm5_kernels.gemm import quantize_tokens_fp8_ref
-from glm5_kernels.kda import (
-    gated_rms_norm_ref,
-    kda_gate_ref,
-    kda_recurrence_ref,
-    short_conv_ref,
-)
+from glm5_kernels.kda import kda_decode_ref, kda_recurrence_ref
 from glm5_kernels.moe import experts_ref, route_ref, swiglu_ref
 from glm5_kernels.norm import rms_norm_ref
 from glm5_kernels.quant import dequantize_fp8_block_ref
@@ -116,7 +111,7 @@ class RankStages:
     # KDA linear attention.
     def kda(self, layer: int, x: Tensor, step: Step) -> Tensor:
         g, a = self.g, f"layers.{layer}.self_attn"
-        R, T, _ = x.shape
+        T = x.shape[1]
         mixed = torch.cat([self.linear(x, f"{a}.{p}_proj.weight") for p in "qkv"], dim=-1)
         f = self.linear(
             self.linear(x, f"{a}.forget_gate.f_a_proj.weight"), f"{a}.forget_gate.f_b_proj.weight"
@@ -124,62 +119,22 @@ class RankStages:
         b = self.linear(x, f"{a}.b_proj.weight")
         gate_o = self.linear(self.linear(x, f"{a}.g_a_proj.weight"), f"{a}.g_b_proj.weight")
         conv, rec = self.c.conv[layer], self.c.recurrent[layer]
-        keep = step.keep_states and T > 1
+        place = dict(
+            conv_slots=step.conv_slots, conv_offset=step.conv_offset,
+            read_slots=step.read_slots, write_slots=step.write_slots,
+            keep=step.keep_states and T > 1,
+        )  # fmt: skip
         fused = self.routes.get(f"{a}.kda")  # the fused KDA stage: conv to gated norm
         if fused is not None and x.dtype == torch.bfloat16 and fused.supports(T):
-            o = fused(
-                mixed, f, b, gate_o, conv, rec, conv_slots=step.conv_slots,
-                conv_offset=step.conv_offset, read_slots=step.read_slots,
-                write_slots=step.write_slots, keep=keep,
-            )  # fmt: skip
-            return self.linear(o, f"{a}.o_proj.weight")
-        C = mixed.shape[-1]
-        weight = self.w[f"{a}.conv1d.weight"][:, 0]  # [C, W]
-        width = weight.shape[1]
-        window = step.conv_offset[:, None] + torch.arange(width - 1, device=x.device)
-        rows = step.conv_slots[:, None]
-        history = conv[rows, window]  # [R, W-1, C]
-        full = torch.cat([history, mixed.to(conv.dtype)], dim=1)  # [R, W-1+T, C]
-
-        # Requests are independent channels / heads: stacked, they run as one sequence.
-        def channels(t: Tensor) -> Tensor:  # [R, L, C] -> [L, R*C]
-            return t.transpose(0, 1).reshape(t.shape[1], R * C)
-
-        y, _ = short_conv_ref(channels(mixed), channels(history), weight.repeat(R, 1))
-        y = y.reshape(T, R, C).transpose(0, 1)
-        hk, kd = g.linear_num_heads // g.tp_size, g.linear_head_dim
-        q, k, v = (t.reshape(R, T, hk, kd) for t in y.split(C // 3, dim=-1))
-        gate = kda_gate_ref(
-            f.reshape(R * T, -1),
-            self.w[f"{a}.forget_gate.dt_bias"],
-            self.w[f"{a}.forget_gate.A_log"],
-            g.linear_lower_bound,
-        ).reshape(R, T, hk, kd)
-        beta = torch.sigmoid(b.float())  # [R, T, hk]
-
-        def heads(t: Tensor) -> Tensor:  # [R, T, hk, ...] -> [T, R*hk, ...]
-            return t.transpose(0, 1).reshape(T, R * hk, *t.shape[3:])
-
-        # vLLM keeps the recurrent state as [slots, heads, V, K]; the recurrence runs [K, V].
-        state = rec[step.read_slots].transpose(-1, -2).reshape(R * hk, kd, kd)
-        o, final, states = self.recurrence(
-            heads(q), heads(k), heads(v), heads(gate), heads(beta), state, all_states=keep
-        )
-        # Recurrent states after each token: every kept one for a verify, else the last.
-        for t in range(T) if keep else [T - 1]:
-            s = final if states is None else states[t]
-            rec[step.write_slots[:, t]] = s.reshape(R, hk, kd, kd).transpose(-1, -2)
-        # Conv rows: a verify stores its W-2+T newest inputs from column 0, so the window
-        # after accepting n starts at column n - 1; other steps overwrite their window.
-        if keep:
-            conv[rows, torch.arange(width - 2 + T, device=x.device)] = full[:, 1:].to(conv.dtype)
+            o = fused(mixed, f, b, gate_o, conv, rec, **place)
         else:
-            conv[rows, window] = full[:, -(width - 1) :].to(conv.dtype)
-        o = o.reshape(T, R, hk, kd).transpose(0, 1).to(x.dtype)
-        o = gated_rms_norm_ref(
-            o, gate_o.reshape(R, T, hk, kd), self.w[f"{a}.o_norm.weight"], g.rms_norm_eps, x.dtype
-        )
-        return self.linear(o.reshape(R, T, hk * kd), f"{a}.o_proj.weight")
+            o = kda_decode_ref(
+                mixed, f, b, gate_o, conv, rec, self.w[f"{a}.conv1d.weight"][:, 0],
+                self.w[f"{a}.forget_gate.dt_bias"], self.w[f"{a}.forget_gate.A_log"],
+                self.w[f"{a}.o_norm.weight"], **place, lower_bound=g.linear_lower_bound,
+                eps=g.rms_norm_eps, recurrence=self.recurrence,
+            )  # fmt: skip
+        return self.linear(o, f"{a}.o_proj.weight")
 
     def recurrence(self, q, k, v, gate, beta, state, *, all_states: bool):
         """KDA's delta rule over a sequence of stacked heads: `kda_recurrence_ref`'s contract."""
