@@ -55,6 +55,12 @@ def _narrow(x, dtype: tl.constexpr, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
+def _bf16(x, INTERPRETER: tl.constexpr):
+    """FP32 -> the nearest BF16 value, kept in FP32 (a model-dtype rounding mid-kernel)."""
+    return _narrow(x, tl.bfloat16, INTERPRETER).to(tl.float32)
+
+
+@triton.jit
 def _prefetch_l2(ptrs):
     tl.inline_asm_elementwise(
         "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,

@@ -28,6 +28,22 @@ from glm5_kernels.gemm.linear import _interpreting, _pdl, _sms
 
 __all__ = ["MhcBoundary", "MhcConfig"]
 
+GIVEN, EXPAND, POST = 0, 1, 2  # the kernel's MODE: where its streams come from
+
+
+def _want(problems: list[str], name: str, t, shape: tuple, dtypes: tuple, device=None) -> None:
+    """One input as a kernel reads it (contiguous, of `shape` and one of `dtypes`, on
+    `device` where given), else its problem appended."""
+    if t is None:
+        problems.append(f"{name}: missing")
+    elif tuple(t.shape) != shape or t.dtype not in dtypes or not t.is_contiguous():
+        names = " or ".join(str(dt).removeprefix("torch.") for dt in dtypes)
+        problems.append(
+            f"{name}: {tuple(t.shape)} {t.dtype}, expected contiguous {list(shape)} {names}"
+        )
+    elif device is not None and t.device != device:
+        problems.append(f"{name}: on {t.device}, expected {device}")
+
 
 @dataclass(frozen=True)
 class MhcConfig:
@@ -133,21 +149,21 @@ class MhcBoundary:
         """streams [T, H, D] BF16 -> (streams, post [T, H] FP32, comb [T, H, H] FP32, the
         normed sublayer input [T, D] BF16): `hc_pre_ref` then the input RMSNorm."""
         x = streams[:, 0] if streams.dim() == 3 else streams
-        return self._run(0, x, streams, None, None, fn, scale, base, norm_weight, out)
+        return self._run(GIVEN, x, streams, None, None, fn, scale, base, norm_weight, out)
 
     def expand_pre(self, x, fn, scale, base, norm_weight, *, out=None):
         """x [T, D] BF16 (the embedding) -> (streams [T, H, D] BF16 (x in every stream),
         post [T, H] FP32, comb [T, H, H] FP32, the normed sublayer input [T, D] BF16)."""
-        return self._run(1, x, None, None, None, fn, scale, base, norm_weight, out)
+        return self._run(EXPAND, x, None, None, None, fn, scale, base, norm_weight, out)
 
     def post_pre(self, x, streams, post, comb, fn, scale, base, norm_weight, *, out=None):
         """The sublayer output x [T, D] BF16 posted into streams [T, H, D] with post [T, H] /
         comb [T, H, H] FP32, then the next pre and norm: (streams', post', comb', normed)."""
-        return self._run(2, x, streams, post, comb, fn, scale, base, norm_weight, out)
+        return self._run(POST, x, streams, post, comb, fn, scale, base, norm_weight, out)
 
     def head(self, x, streams, post, comb, norm_weight, *, out=None) -> Tensor:
         """The last sublayer's post, the streams' mean and the final norm: [T, D] BF16."""
-        return self._run(2, x, streams, post, comb, None, None, None, norm_weight, out)[3]
+        return self._run(POST, x, streams, post, comb, None, None, None, norm_weight, out)[3]
 
     def _run(self, mode, x, streams, post, comb, fn, scale, base, norm, out):
         c = self.config
@@ -155,7 +171,7 @@ class MhcBoundary:
         m = self._check(mode, x, streams, post, comb, fn, scale, base, norm, head, out)
         p = self.plans[m]
         dev, h, d = self._device, c.hc, c.hidden
-        store = not head and mode != 0  # the new streams are an output
+        store = not head and mode != GIVEN  # the new streams are an output
         if out is None:
             out = (
                 torch.empty(m, h, d, dtype=torch.bfloat16, device=dev) if store else None,
@@ -196,34 +212,25 @@ class MhcBoundary:
         grid = (-(-m // p.bt), p.splits)
         for phase in (0,) if p.fused else (1, 2):
             hc_boundary_kernel[grid](*args, PHASE=phase, **meta)
-        return (streams if mode == 0 else new), post_out, comb_out, normed
+        return (streams if mode == GIVEN else new), post_out, comb_out, normed
 
     def check_weights(self, fn, scale, base, norm_weight) -> None:
         """A site's weights as the boundaries read them, or one error naming every problem
         (a caller building boundaries ahead checks them before any step runs)."""
         problems: list[str] = []
-
-        def want(name, t, shape, dtypes):
-            if t is None or tuple(t.shape) != shape or t.dtype not in dtypes:
-                got = "missing" if t is None else f"{tuple(t.shape)} {t.dtype}"
-                names = " or ".join(str(dt).removeprefix("torch.") for dt in dtypes)
-                problems.append(f"{name}: {got}, expected {list(shape)} {names}")
-            elif not t.is_contiguous():
-                problems.append(f"{name}: not contiguous")
-
-        self._check_weights((fn, scale, base), norm_weight, want)
+        self._check_weights(problems, (fn, scale, base), norm_weight)
         if problems:
             raise ValueError("MhcBoundary: " + "; ".join(problems))
         self._dtypes.add((fn.dtype, scale.dtype, base.dtype, norm_weight.dtype))
 
-    def _check_weights(self, mix, norm, want) -> None:
+    def _check_weights(self, problems: list[str], mix, norm, device=None) -> None:
         c, floats = self.config, (torch.float32, torch.bfloat16)
         if mix is not None:
             fn, scale, base = mix
-            want("fn", fn, (c.mix, c.hc * c.hidden), floats)
-            want("scale", scale, (3,), floats)
-            want("base", base, (c.mix,), floats)
-        want("norm_weight", norm, (c.hidden,), floats)
+            _want(problems, "fn", fn, (c.mix, c.hc * c.hidden), floats, device)
+            _want(problems, "scale", scale, (3,), floats, device)
+            _want(problems, "base", base, (c.mix,), floats, device)
+        _want(problems, "norm_weight", norm, (c.hidden,), floats, device)
 
     def _check(self, mode, x, streams, post, comb, fn, scale, base, norm, head, out) -> int:
         """The token count; every problem with the inputs in one error."""
@@ -232,32 +239,25 @@ class MhcBoundary:
         m = x.shape[0] if x is not None and x.dim() == 2 else -1
         if not self.supports(m):
             problems.append(f"x: {m} tokens, outside 1..{self.max_tokens}")
+        device = None if self._interp else self._device
 
         def want(name, t, shape, dtypes):
-            if t is None:
-                problems.append(f"{name}: missing")
-            elif tuple(t.shape) != shape or t.dtype not in dtypes or not t.is_contiguous():
-                names = " or ".join(str(dt).removeprefix("torch.") for dt in dtypes)
-                problems.append(
-                    f"{name}: {tuple(t.shape)} {t.dtype}, expected contiguous {list(shape)} {names}"
-                )
-            elif t.device != self._device and not self._interp:
-                problems.append(f"{name}: on {t.device}, expected {self._device}")
+            _want(problems, name, t, shape, dtypes, device)
 
         bf16, f32 = (torch.bfloat16,), (torch.float32,)
-        if mode == 0:
+        if mode == GIVEN:
             want("streams", streams, (m, h, d), bf16)
         else:
             want("x", x, (m, d), bf16)
-        if mode == 2:
+        if mode == POST:
             want("streams", streams, (m, h, d), bf16)
             want("post", post, (m, h), f32)
             want("comb", comb, (m, h, h), f32)
-        self._check_weights(None if head else (fn, scale, base), norm, want)
+        self._check_weights(problems, None if head else (fn, scale, base), norm, device)
         if out is not None:
             shapes = [(m, h, d), (m, h), (m, h, h), (m, d)]
             dtypes = [bf16, f32, f32, bf16]
-            needed = [not head and mode != 0, not head, not head, True]
+            needed = [not head and mode != GIVEN, not head, not head, True]
             for name, t, shape, dt, need in zip(("streams", "post", "comb", "normed"), out,
                                                 shapes, dtypes, needed, strict=True):  # fmt: skip
                 if need:

@@ -24,16 +24,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from glm5_kernels.gemm.triton_skinny import _narrow
+from glm5_kernels.gemm.triton_skinny import _bf16, _narrow
 from glm5_kernels.moe.triton_moe import _sigmoid
-
-GIVEN, EXPAND, POST = 0, 1, 2  # where phase 1's streams come from
-
-
-@triton.jit
-def _bf16(x, INTERPRETER: tl.constexpr):
-    """FP32 -> the nearest BF16 value, kept in FP32."""
-    return _narrow(x, tl.bfloat16, INTERPRETER).to(tl.float32)
 
 
 @triton.jit
