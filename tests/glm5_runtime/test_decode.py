@@ -264,15 +264,21 @@ def test_gate_up_is_read_in_place_where_the_backbone_holds_it_merged():
         assert both.untyped_storage().data_ptr() != merged.untyped_storage().data_ptr()
 
 
+def _built(backbone, caplog, policy=ALL_STAGES):
+    """A SpecializedDecode over `backbone` and the warnings its build logged."""
+    caplog.clear()
+    config = DecodeConfig.build(max_context=64, q=Q, capture_sizes=SIZES, policy=policy)
+    with caplog.at_level(logging.WARNING, logger="glm5_runtime"):
+        decode = SpecializedDecode(backbone, config)
+    return decode, [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
 def test_moe_stage_needs_glms_routing(caplog):
     """A backbone whose MoE layers route otherwise (`routing` None) keeps them stock."""
     model = _model(_small())
     backbone = ReferenceBackbone(model)
     backbone.routing = None
-    config = DecodeConfig.build(max_context=64, q=Q, capture_sizes=SIZES, policy=ALL_STAGES)
-    with caplog.at_level(logging.WARNING, logger="glm5_runtime"):
-        decode = SpecializedDecode(backbone, config)
-    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    decode, warned = _built(backbone, caplog)
     assert warned == [
         "Specialized decode: stage moe runs stock (ValueError: the backbone's MoE routing is "
         "not GLM's (Backbone.routing))"
@@ -287,28 +293,22 @@ def test_boundaries_need_glms_mhc_and_their_weights(caplog):
     model = _model(_small())
     backbone = ReferenceBackbone(model)
     backbone.mhc = None
-    config = DecodeConfig.build(max_context=64, q=Q, capture_sizes=SIZES, policy=ALL_STAGES)
-    with caplog.at_level(logging.WARNING, logger="glm5_runtime"):
-        decode = SpecializedDecode(backbone, config)
-    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    decode, warned = _built(backbone, caplog)
     assert warned == [
         "Specialized decode: stage boundary runs stock (ValueError: the backbone's boundaries "
         "are not GLM's mHC (Backbone.mhc))"
     ]
     assert decode.mhc is None
 
-    caplog.clear()
     backbone = ReferenceBackbone(model)
     w = model.ranks[0].w
     saved = {n: w[n] for n in ("layers.1.ffn_hc.fn", "layers.2.attn_hc.base")}
     w["layers.1.ffn_hc.fn"] = saved["layers.1.ffn_hc.fn"][:, :8]
     w["layers.2.attn_hc.base"] = saved["layers.2.attn_hc.base"].double()
     try:
-        with caplog.at_level(logging.WARNING, logger="glm5_runtime"):
-            decode = SpecializedDecode(backbone, config)
+        decode, warned = _built(backbone, caplog)
     finally:
         w.update(saved)
-    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "stage boundary runs stock" in warned[0], warned
     assert decode.mhc is None
     assert not any(type(op).__name__ == "MhcBoundary" for op, _ in decode.ops)
@@ -320,22 +320,15 @@ def test_kda_stage_needs_the_backbones_route_and_split_gate_says_it_is_not_built
     model = _model(_small())
     backbone = ReferenceBackbone(model)
     backbone.kda = None
-    config = DecodeConfig.build(max_context=64, q=Q, capture_sizes=SIZES, policy=ALL_STAGES)
-    with caplog.at_level(logging.WARNING, logger="glm5_runtime"):
-        decode = SpecializedDecode(backbone, config)
-    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    decode, warned = _built(backbone, caplog)
     assert warned == [
         "Specialized decode: stage kda runs stock (ValueError: the backbone's KDA layers do not "
         "take the fused stage (Backbone.kda))"
     ]
     assert not any(name.endswith(".kda") for _, name, _ in decode.routes[2])
 
-    caplog.clear()
     policy = {**ALL_STAGES, "kda": {"1-2": "fused", "3-64": "split_gate"}}
-    config = DecodeConfig.build(max_context=64, q=Q, capture_sizes=SIZES, policy=policy)
-    with caplog.at_level(logging.WARNING, logger="glm5_runtime"):
-        decode = SpecializedDecode(ReferenceBackbone(model), config)
-    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    decode, warned = _built(ReferenceBackbone(model), caplog, policy)
     assert warned == [
         "Specialized decode: kda split_gate is not built; 4-token steps run KDA stock"
     ]
