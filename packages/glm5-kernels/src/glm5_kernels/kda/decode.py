@@ -56,6 +56,9 @@ class KdaDecode:
         self.lower_bound, self.eps, self.max_tokens = lower_bound, eps, max_tokens
         self._device = conv_weight.device
         self._pdl, self._interp = _pdl(self._device), _interpreting()
+        from glm5_kernels.kda.triton_kda import kda_decode_kernel  # Triton: an extra
+
+        self._kernel = kda_decode_kernel
         self._ready: set[tuple[int, bool]] = set()  # (tokens per request, keep) compiled
 
     def supports(self, tokens: int) -> bool:
@@ -112,11 +115,9 @@ class KdaDecode:
             self._ready.add((t, keep))
         if out is None:
             out = torch.empty(r, t, h * v, dtype=qkv.dtype, device=qkv.device)
-        from glm5_kernels.kda.triton_kda import kda_decode_kernel
-
         idx = [x.contiguous() for x in (conv_slots, conv_offset, read_slots, write_slots)]
         lb = self.lower_bound
-        kda_decode_kernel[(r, h)](
+        self._kernel[(r, h)](
             qkv, f, b, gate, out, conv, recurrent,
             self.conv_weight, self.dt_bias, self.A_log, self.norm_weight, *idx,
             qkv.stride(1), f.stride(1), b.stride(1), gate.stride(1), out.stride(1),

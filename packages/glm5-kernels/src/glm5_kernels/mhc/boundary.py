@@ -92,6 +92,9 @@ class MhcBoundary:
             self._device = torch.device("cuda", torch.cuda.current_device())
         self._pdl, self._interp = _pdl(self._device), _interpreting()
         self._sms = _sms(self._device)
+        from glm5_kernels.mhc.triton_mhc import hc_boundary_kernel  # Triton: an extra
+
+        self._kernel = hc_boundary_kernel
         self.plans = {m: self._plan(m) for m in range(1, max_tokens + 1)}
         self._max_splits = -(-config.hidden // 16)
         pw = config.mix + config.hc * config.hc
@@ -207,11 +210,9 @@ class MhcBoundary:
             # model (post * y, then + comb^T streams), never one fused multiply-add.
             enable_fp_fusion=False,
         )  # fmt: skip
-        from glm5_kernels.mhc.triton_mhc import hc_boundary_kernel
-
         grid = (-(-m // p.bt), p.splits)
         for phase in (0,) if p.fused else (1, 2):
-            hc_boundary_kernel[grid](*args, PHASE=phase, **meta)
+            self._kernel[grid](*args, PHASE=phase, **meta)
         return (streams if mode == GIVEN else new), post_out, comb_out, normed
 
     def check_weights(self, fn, scale, base, norm_weight) -> None:
