@@ -1,0 +1,254 @@
+"""A KDA layer's decode / verify step at GLM-5.3-Flash's heads (K = V = 128, conv width 4, the
+safe gate at -5): `KdaDecode` (one launch) vs the stock path as vLLM 0.33 runs it, the torch
+reference, and the HBM floor.
+
+Stock ("fla"): vLLM 0.33's `KimiGatedDeltaNet._forward` decode ops, in its order: its
+`causal_conv1d_update` (the conv state moved in place, the accepted-offset rule for a
+verify), the fla recurrence with the gate and beta in the kernel, state in place
+(`fused_recurrent_kda_packed_decode` for one token, `fused_recurrent_kda` with
+`num_accepted_tokens` for a verify), then fla-core's `rms_norm_gated` and vLLM's copy of its
+result into the attention output. vLLM is not installed on the GPU host: `--vllm-ops DIR`
+names a folder holding vLLM 0.33's `model_executor/layers/mamba/ops/causal_conv1d.py` and
+`models/kimi_k3/nvidia/ops/third_party/kda/fused_recurrent.py` (as `causal_conv1d.py`,
+`fused_recurrent.py`); they are loaded with stand-ins for the few vLLM helpers they import.
+
+Floor: the bytes a step must move ÷ `hbm_bandwidth()` of the same run — the recurrent state
+read once and written once per stored token, the conv window read and its new columns
+written, the projections' rows read, the output written, the layer's small weights.
+Timing: CUDA-graph replays, median; every call in a graph on its own state slots and inputs
+(more than L2 in all). Each case checks ours and the stock path against the reference first.
+
+    PYTHONPATH=packages/glm5-kernels/src:packages/glm5-runtime/src:packages/glm5-policy/src \\
+        python benchmarks/kda_decode.py --vllm-ops DIR --out benchmarks/results/kda_decode_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+import time
+import types
+
+import torch
+from provenance import provenance, result_args, write_result
+
+from glm5_kernels.kda import KdaDecode, kda_decode_ref
+from glm5_kernels.timing import graph_calls_us, hbm_bandwidth
+from glm5_runtime.bench import call_launches
+
+K = V = 128
+W, LOWER_BOUND, EPS = 4, -5.0, 1e-5
+L2_BYTES = 50 << 20
+
+
+def vllm_ops(folder: str):
+    """vLLM 0.33's KDA decode kernels from copies of their two source files, with stand-ins
+    for the helpers they import (platform flags, Triton, two constants, exp / log, cdiv)."""
+    import triton
+    import triton.language as tl
+
+    pdl = torch.cuda.get_device_capability()[0] >= 9
+    platform = types.SimpleNamespace(
+        is_arch_support_pdl=lambda: pdl, is_cpu=lambda: False, is_rocm=lambda: False
+    )
+    stubs = {
+        "vllm.platforms": {"current_platform": platform},
+        "vllm.triton_utils": {"tl": tl, "triton": triton},
+        "vllm.v1.attention.backends.utils": {"NULL_BLOCK_ID": 0, "PAD_SLOT_ID": -1},
+        "vllm.third_party.flash_linear_attention.ops.op": {"exp": tl.exp, "log": tl.log},
+        "vllm.utils.math_utils": {
+            "cdiv": lambda a, b: -(a // -b),
+            "next_power_of_2": triton.next_power_of_2,
+        },
+    }
+    for name, attrs in stubs.items():
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+        sys.modules[name].__dict__.update(attrs)
+
+    def load(file: str):
+        spec = importlib.util.spec_from_file_location(f"vllm_ops_{file}", f"{folder}/{file}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load("causal_conv1d"), load("fused_recurrent")
+
+
+def weights(heads: int, gen):
+    c = heads * (2 * K + V)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, device="cuda") * scale
+
+    return dict(conv_weight=randn(c, W, scale=W**-0.5).bfloat16(),
+                dt_bias=randn(heads * K, scale=0.5), A_log=randn(heads, scale=0.5),
+                norm_weight=(1 + randn(V, scale=0.1)).bfloat16(),
+                lower_bound=LOWER_BOUND, eps=EPS)  # fmt: skip
+
+
+def step_inputs(heads: int, r: int, q: int, first_slot: int, gen):
+    """One call's projections (q | k | v read from a wider row, as vLLM's fused in_proj
+    lays them out) and its placement: request i owns slots first_slot + i*q .. + q-1; a
+    verify resumes from a random accepted token."""
+    c = heads * (2 * K + V)
+    wide = torch.randn(r, q, c + 2 * heads * K, generator=gen, device="cuda").bfloat16()
+    x = (wide[..., :c], torch.randn(r, q, heads * K, generator=gen, device="cuda").bfloat16(),
+         torch.randn(r, q, heads, generator=gen, device="cuda").bfloat16(),
+         torch.randn(r, q, heads * V, generator=gen, device="cuda").bfloat16())  # fmt: skip
+    owned = first_slot + torch.arange(r * q, device="cuda").view(r, q)
+    accepted = torch.randint(1, q + 1, (r,), generator=gen, device="cuda")
+    verify = q > 1
+    read = owned[torch.arange(r, device="cuda"), accepted - 1] if verify else owned[:, 0]
+    write = owned if verify else owned[:, :1]
+    place = dict(conv_slots=owned[:, 0], conv_offset=accepted - 1 if verify else accepted * 0,
+                 read_slots=read, write_slots=write, keep=verify)  # fmt: skip
+    return x, place, owned, accepted
+
+
+def stock_step(ops, w, heads, x, place, owned, accepted, conv, rec):
+    """vLLM 0.33's decode ops on this step (its `_forward`, spec-only or decode-only)."""
+    from fla.modules.fused_norm_gate import rms_norm_gated
+
+    conv_ops, kda_ops = ops
+    qkv, f, b, gate = x
+    r, q = qkv.shape[:2]
+    n, c = r * q, qkv.shape[-1]
+    conv_w = w["conv_weight"]
+    state = conv.transpose(-1, -2)  # the SD cache seen as (dim, state_len), as vLLM does
+    g1 = f.reshape(1, n, heads, K)
+    beta = b.reshape(1, n, heads)
+    core = torch.empty(1, n, heads, V, dtype=qkv.dtype, device="cuda")
+    if q == 1:
+        mixed = conv_ops.causal_conv1d_update(
+            qkv.view(n, -1), state, conv_w, None, activation="silu",
+            conv_state_indices=place["conv_slots"].int(), validate_data=False,
+            out=torch.empty(n, c, dtype=qkv.dtype, device="cuda"),
+        )  # fmt: skip
+        o, _ = kda_ops.fused_recurrent_kda_packed_decode(
+            mixed_qkv=mixed, raw_g=g1, raw_beta=beta, A_log=w["A_log"], dt_bias=w["dt_bias"],
+            lower_bound=LOWER_BOUND, initial_state=rec, state_indices=place["conv_slots"].int(),
+        )  # fmt: skip
+        core[0] = o[0].view(n, heads, V)
+    else:
+        starts = torch.arange(0, n + 1, q, dtype=torch.int32, device="cuda")
+        mixed = conv_ops.causal_conv1d_update(
+            qkv.view(n, -1), state, conv_w, None, activation="silu",
+            conv_state_indices=owned[:, 0].int(), num_accepted_tokens=accepted.int(),
+            query_start_loc=starts, max_query_len=q, validate_data=False,
+            out=torch.empty(n, c, dtype=qkv.dtype, device="cuda"),
+        )  # fmt: skip
+        qs, ks, vs = (t.reshape(1, n, heads, -1) for t in mixed.split(heads * K, dim=-1))
+        kda_ops.fused_recurrent_kda(
+            q=qs, k=ks, v=vs, raw_g=g1, raw_beta=beta, A_log=w["A_log"], dt_bias=w["dt_bias"],
+            lower_bound=LOWER_BOUND, initial_state=rec, cu_seqlens=starts,
+            ssm_state_indices=owned.int(), num_accepted_tokens=accepted.int(), out=core,
+        )  # fmt: skip
+    normed = rms_norm_gated(core, gate.reshape(1, n, heads, V), w["norm_weight"], None,
+                            activation="sigmoid", eps=EPS)  # fmt: skip
+    core.copy_(normed)
+    return core.view(r, q, heads * V)
+
+
+def step_bytes(heads: int, r: int, q: int) -> int:
+    c = heads * (2 * K + V)
+    state = heads * V * K * 4
+    stored = q if q > 1 else 1
+    conv_cols = (W - 1) + (W - 2 + q if q > 1 else W - 1)
+    rows = q * (c + heads * K + heads + heads * V) + q * heads * V
+    small = c * W * 2 + heads * K * 4 + heads * 4 + V * 2
+    return r * ((1 + stored) * state + conv_cols * c * 2 + rows * 2) + small
+
+
+def case(op, ops, w, heads, r, q, bw, gen) -> dict:
+    per_call = step_bytes(heads, r, q)
+    copies = max(2, min(64, math.ceil(2 * L2_BYTES / per_call)))
+    c, slots = heads * (2 * K + V), 1 + copies * r * q
+    conv = torch.randn(slots, W - 2 + q, c, generator=gen, device="cuda").bfloat16()
+    rec = 0.1 * torch.randn(slots, heads, V, K, generator=gen, device="cuda")
+    steps = [step_inputs(heads, r, q, 1 + i * r * q, gen) for i in range(copies)]
+    caches = {name: (conv.clone(), rec.clone()) for name in ("ref", "ours", "stock")}
+    ref = [lambda s=s: kda_decode_ref(*s[0], *caches["ref"], **w, **s[1]) for s in steps]
+    ours = [lambda s=s: op(*s[0], *caches["ours"], **s[1]) for s in steps]
+    stock = [lambda s=s: stock_step(ops, w, heads, s[0], s[1], s[2], s[3], *caches["stock"])
+             for s in steps]  # fmt: skip
+    want = ref[0]()
+    errors = {}
+    for name, fn in (("ours", ours[0]), ("stock", stock[0])):
+        got = fn()
+        errors[name] = {
+            "out": ((got.float() - want.float()).abs().max() / want.float().abs().max()).item(),
+            "state": (caches[name][1] - caches["ref"][1]).abs().max().item(),
+            "conv_equal": torch.equal(caches[name][0], caches["ref"][0]),
+        }
+    floor = per_call / bw * 1e6
+    us, fla_us, ref_us = (graph_calls_us(fns) for fns in (ours, stock, ref))
+    return {"heads": heads, "requests": r, "q": q, "us": us, "fla_us": fla_us, "ref_us": ref_us,
+            "floor_us": floor, "speedup_vs_fla": fla_us / us, "floor_ratio": us / floor,
+            "launches": call_launches(ours[0]), "fla_launches": call_launches(stock[0]),
+            "copies": copies, "errors": errors}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--heads", default="16,64")
+    parser.add_argument("--requests", default="1,2,4,8,16,32,64")
+    parser.add_argument("--q", default="1,2,4")
+    parser.add_argument("--vllm-ops", help="folder with vLLM 0.33's two KDA kernel files")
+    result_args(parser)
+    args = parser.parse_args()
+    if args.table:
+        print(table(args.table))
+        return
+    gen = torch.Generator("cuda").manual_seed(0)
+    bw = hbm_bandwidth()["floor"]
+    print(f"{torch.cuda.get_device_name()}: HBM {bw / 1e12:.2f} TB/s")
+    ops = vllm_ops(args.vllm_ops)
+    rows, start = [], time.perf_counter()
+    for heads in (int(h) for h in args.heads.split(",")):
+        w = weights(heads, gen)
+        op = KdaDecode(**w, max_tokens=8)
+        op.prepare()
+        for q in (int(x) for x in args.q.split(",")):
+            for r in (int(x) for x in args.requests.split(",")):
+                row = case(op, ops, w, heads, r, q, bw, gen)
+                rows.append(row)
+                e = row["errors"]
+                print(f"H={heads:2d} R={r:2d} q={q}: {row['us']:7.2f} µs (floor "
+                      f"{row['floor_us']:6.2f}, ×{row['floor_ratio']:.2f}) fla "
+                      f"{row['fla_us']:7.2f} (×{row['speedup_vs_fla']:.2f}) ref "
+                      f"{row['ref_us']:8.1f} [{row['launches']} vs {row['fla_launches']}] "
+                      f"err {e['ours']['out']:.1e}/{e['stock']['out']:.1e} state "
+                      f"{e['ours']['state']:.1e}/{e['stock']['state']:.1e} conv "
+                      f"{e['ours']['conv_equal']}/{e['stock']['conv_equal']}")  # fmt: skip
+    result = provenance("kda_decode", args) | {
+        "hbm_bytes_per_s": bw, "stock": "vLLM 0.33 KimiGatedDeltaNet decode ops + fla-core "
+        "rms_norm_gated", "rows": rows, "seconds": time.perf_counter() - start,
+    }  # fmt: skip
+    write_result(args.out, result)
+
+
+def table(path: str) -> str:
+    with open(path) as f:
+        result = json.load(f)
+    out = [
+        f"{result['gpu']}, {result['date']}, commit {result['commit']}: `{result['command']}`",
+        "",
+        "| heads | requests | q | ours µs (× floor) | launches | vLLM / fla µs | launches | speedup |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in result["rows"]:
+        out.append(
+            f"| {r['heads']} | {r['requests']} | {r['q']} | {r['us']:.2f} "
+            f"({r['floor_ratio']:.2f}×) | {r['launches']} | {r['fla_us']:.2f} | "
+            f"{r['fla_launches']} | {r['speedup_vs_fla']:.2f}× |"
+        )
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    main()
