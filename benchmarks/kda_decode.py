@@ -238,7 +238,7 @@ def table(path: str) -> str:
     out = [
         f"{result['gpu']}, {result['date']}, commit {result['commit']}: `{result['command']}`",
         "",
-        "| heads | requests | q | ours µs (× floor) | launches | vLLM / fla µs | launches | speedup |",
+        "| heads | requests | q | ours µs (× floor) | launches | stock µs | launches | speedup |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["rows"]:
