@@ -182,7 +182,8 @@ def kda_cases(arch: int) -> int:
     types |= {n: "fp32" for n in ("q_scale", "lower_bound", "eps")}
     n = 0
     for t, keep, lb in ((1, False, True), (2, True, True), (8, True, True), (1, False, False)):
-        constexprs = {"T": t, "K": 128, "V": 128, "W": 4, "KEEP": keep, "HAS_LB": lb,
+        constexprs = {"T": t, "K": 128, "V": 128, "W": 4, "NCP": 1 << (1 + t).bit_length(),
+                      "KEEP": keep, "HAS_LB": lb,
                       "INTERPRETER": False, "PDL": True}  # fmt: skip
         ptx = _compile(kda_decode_kernel, types, constexprs, arch, num_warps=8)
         assert "griddepcontrol.wait" in ptx and "st.local" not in ptx, (t, keep, lb)  # no spills

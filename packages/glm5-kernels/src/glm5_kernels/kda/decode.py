@@ -59,6 +59,7 @@ class KdaDecode:
         from glm5_kernels.kda.triton_kda import kda_decode_kernel  # Triton: an extra
 
         self._kernel = kda_decode_kernel
+        self.warps = 8  # the [V, K] state: 64 FP32 registers a thread at K = V = 128
         self._ready: set[tuple[int, bool]] = set()  # (tokens per request, keep) compiled
 
     def supports(self, tokens: int) -> bool:
@@ -123,8 +124,9 @@ class KdaDecode:
             qkv.stride(1), f.stride(1), b.stride(1), gate.stride(1), out.stride(1),
             conv.stride(0), conv.stride(1), recurrent.stride(0),
             h, k**-0.5, 0.0 if lb is None else lb, self.eps,
-            T=t, K=k, V=v, W=self.width, KEEP=keep, HAS_LB=lb is not None,
-            INTERPRETER=self._interp, PDL=self._pdl, num_warps=8, launch_pdl=self._pdl,
+            T=t, K=k, V=v, W=self.width, NCP=1 << (self.width - 3 + t).bit_length(),  # >= W-2+T
+            KEEP=keep, HAS_LB=lb is not None,
+            INTERPRETER=self._interp, PDL=self._pdl, num_warps=self.warps, launch_pdl=self._pdl,
         )  # fmt: skip
         return out
 

@@ -12,7 +12,8 @@ model rounds), then
 
 (S is [V, K]: each row of V evolves on its own). Last, the conv state: a decode overwrites
 its window, a verify stores its W-2+T newest inputs from column 0 (accepting n resumes at
-column n - 1). The inputs are the projections' outputs read as strided rows (vLLM's fused
+column n - 1): its sources are loaded before the recurrence and stored after one barrier.
+The inputs are the projections' outputs read as strided rows (vLLM's fused
 q | k | v | ... rows need no copy).
 """
 
@@ -47,16 +48,14 @@ def _conv(conv_row_ptr, qkv_ptr, w_ptr, t, c, offset, stride_cc, stride_qkv, row
 
 
 @triton.jit
-def _store_conv(conv_row_ptr, qkv_ptr, col, i, c, offset, stride_cc, stride_qkv, row0,
-                W: tl.constexpr):  # fmt: skip
-    """Conv-state column col = row i of the sequence. The barrier keeps every thread's read
-    of this column's source before any write: a later column's write may land on a column
-    an earlier one reads (a verify shifts the window down), and threads holding the same
-    channel (replicas) must not run ahead of each other."""
-    x = _conv_row(conv_row_ptr, qkv_ptr, i, c, offset, stride_cc, stride_qkv, row0, W)
-    tl.debug_barrier()
-    tl.store(conv_row_ptr + col * stride_cc + c, x)
-    tl.debug_barrier()
+def _window(conv_row_ptr, qkv_ptr, cols, shift, n, c, offset, stride_cc, stride_qkv, row0,
+            W: tl.constexpr):  # fmt: skip
+    """Rows cols + shift of the step's sequence, channels c: [len(cols), len(c)] (cols >= n
+    masked), one 2-D load."""
+    i = cols[:, None] + shift
+    ptr = tl.where(i < W - 1, conv_row_ptr + (offset + i) * stride_cc + c[None, :],
+                   qkv_ptr + (row0 + i - (W - 1)) * stride_qkv + c[None, :])  # fmt: skip
+    return tl.load(ptr, mask=(cols[:, None] < n) & (c[None, :] >= 0))
 
 
 @triton.jit
@@ -74,7 +73,7 @@ def kda_decode_kernel(
     conv_slot_ptr, conv_off_ptr, read_slot_ptr, write_slot_ptr,
     stride_qkv, stride_f, stride_b, stride_g, stride_out, stride_cs, stride_cc, stride_rs,
     H, q_scale, lower_bound, eps,
-    T: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+    T: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, NCP: tl.constexpr,
     KEEP: tl.constexpr, HAS_LB: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     r, h = tl.program_id(0), tl.program_id(1)
@@ -92,6 +91,21 @@ def kda_decode_kernel(
     row0 = r * T
     state_at = h * (V * K) + vv[:, None] * K + kk[None, :]
     s = tl.load(rec_ptr + tl.load(read_slot_ptr + r).to(tl.int64) * stride_rs + state_at)
+    # The conv state's new columns, loaded now and stored last (after a barrier: a column
+    # written may be one another thread still reads). Column j of the new window is row
+    # j + shift of the sequence: a verify keeps its W-2+T newest rows from column 0, a
+    # decode moves its window at the offset on by T.
+    cols = tl.arange(0, NCP)
+    if KEEP:
+        n_cols, shift, dst = W - 2 + T, 1, cols
+    else:
+        n_cols, shift, dst = W - 1, T, offset + cols
+    new_q = _window(conv_row, qkv_ptr, cols, shift, n_cols, cq, offset, stride_cc, stride_qkv,
+                    row0, W)  # fmt: skip
+    new_k = _window(conv_row, qkv_ptr, cols, shift, n_cols, ck, offset, stride_cc, stride_qkv,
+                    row0, W)  # fmt: skip
+    new_v = _window(conv_row, qkv_ptr, cols, shift, n_cols, cv, offset, stride_cc, stride_qkv,
+                    row0, W)  # fmt: skip
 
     for t in tl.static_range(T):
         row = row0 + t
@@ -125,16 +139,9 @@ def kda_decode_kernel(
         slot = tl.load(write_slot_ptr + r * T + T - 1).to(tl.int64)
         _store_state(rec_ptr, slot, stride_rs, state_at, s, V, K)
 
-    # The conv state, once every read of it is done (each CTA owns its head's channels).
     tl.debug_barrier()
-    if KEEP:  # the W-2+T newest inputs from column 0
-        for col in tl.static_range(W - 2 + T):
-            _store_conv(conv_row, qkv_ptr, col, col + 1, cq, offset, stride_cc, stride_qkv, row0, W)
-            _store_conv(conv_row, qkv_ptr, col, col + 1, ck, offset, stride_cc, stride_qkv, row0, W)
-            _store_conv(conv_row, qkv_ptr, col, col + 1, cv, offset, stride_cc, stride_qkv, row0, W)
-    else:  # the window at the offset, moved on by T
-        for j in tl.static_range(W - 1):
-            col = offset + j
-            _store_conv(conv_row, qkv_ptr, col, T + j, cq, offset, stride_cc, stride_qkv, row0, W)
-            _store_conv(conv_row, qkv_ptr, col, T + j, ck, offset, stride_cc, stride_qkv, row0, W)
-            _store_conv(conv_row, qkv_ptr, col, T + j, cv, offset, stride_cc, stride_qkv, row0, W)
+    at = conv_row + dst[:, None] * stride_cc
+    keep_cols = cols[:, None] < n_cols
+    tl.store(at + cq[None, :], new_q, mask=keep_cols & (cq[None, :] >= 0))
+    tl.store(at + ck[None, :], new_k, mask=keep_cols & (ck[None, :] >= 0))
+    tl.store(at + cv[None, :], new_v, mask=keep_cols & (cv[None, :] >= 0))
