@@ -42,6 +42,7 @@ from glm5_runtime.bench import call_launches
 K = V = 128
 W, LOWER_BOUND, EPS = 4, -5.0, 1e-5
 L2_BYTES = 50 << 20
+SWEEP = ((16, 2), (16, 4), (32, 2), (32, 4), (64, 4), (128, 4), (128, 8))
 
 
 def vllm_ops(folder: str):
@@ -164,7 +165,7 @@ def step_bytes(heads: int, r: int, q: int) -> int:
     return r * ((1 + stored) * state + conv_cols * c * 2 + rows * 2) + small
 
 
-def case(op, ops, w, heads, r, q, bw, gen, sweep_warps=()) -> dict:
+def case(op, ops, w, heads, r, q, bw, gen, sweep_tiles=()) -> dict:
     per_call = step_bytes(heads, r, q)
     copies = max(2, min(64, math.ceil(2 * L2_BYTES / per_call)))
     c, slots = heads * (2 * K + V), 1 + copies * r * q
@@ -188,15 +189,14 @@ def case(op, ops, w, heads, r, q, bw, gen, sweep_warps=()) -> dict:
     floor = per_call / bw * 1e6
     us, fla_us, ref_us = (graph_calls_us(fns) for fns in (ours, stock, ref))
     sweep = {}
-    if sweep_warps:
-        chosen = op.warps
-        for op.warps in sweep_warps:
-            sweep[op.warps] = graph_calls_us(ours)
-        op.warps = chosen
+    for tile in sweep_tiles:
+        op.tile = tile
+        sweep[f"{tile[0]}x{tile[1]}"] = graph_calls_us(ours)
+    op.tile = None
     return {"heads": heads, "requests": r, "q": q, "us": us, "fla_us": fla_us, "ref_us": ref_us,
             "floor_us": floor, "speedup_vs_fla": fla_us / us, "floor_ratio": us / floor,
             "launches": call_launches(ours[0]), "fla_launches": call_launches(stock[0]),
-            "copies": copies, "errors": errors, "warps_us": sweep}  # fmt: skip
+            "copies": copies, "errors": errors, "tile": op.plan(r), "tiles_us": sweep}  # fmt: skip
 
 
 def main() -> None:
@@ -204,7 +204,7 @@ def main() -> None:
     parser.add_argument("--heads", default="16,64")
     parser.add_argument("--requests", default="1,2,4,8,16,32,64")
     parser.add_argument("--q", default="1,2,4")
-    parser.add_argument("--sweep", action="store_true", help="time 4, 8 and 16 warps too")
+    parser.add_argument("--sweep", action="store_true", help="time every (BV, warps) tile too")
     parser.add_argument("--vllm-ops", help="folder with vLLM 0.33's two KDA kernel files")
     result_args(parser)
     args = parser.parse_args()
@@ -222,7 +222,7 @@ def main() -> None:
         op.prepare()
         for q in (int(x) for x in args.q.split(",")):
             for r in (int(x) for x in args.requests.split(",")):
-                row = case(op, ops, w, heads, r, q, bw, gen, (4, 8, 16) if args.sweep else ())
+                row = case(op, ops, w, heads, r, q, bw, gen, SWEEP if args.sweep else ())
                 rows.append(row)
                 e = row["errors"]
                 print(f"H={heads:2d} R={r:2d} q={q}: {row['us']:7.2f} µs (floor "
@@ -232,7 +232,7 @@ def main() -> None:
                       f"err {e['ours']['out']:.1e}/{e['stock']['out']:.1e} state "
                       f"{e['ours']['state']:.1e}/{e['stock']['state']:.1e} conv "
                       f"{e['ours']['conv_equal']}/{e['stock']['conv_equal']} "
-                      f"{row['warps_us']}")  # fmt: skip
+                      f"{row['tile']} {row['tiles_us']}")  # fmt: skip
     result = provenance("kda_decode", args) | {
         "hbm_bytes_per_s": bw, "stock": "vLLM 0.33 KimiGatedDeltaNet decode ops + fla-core "
         "rms_norm_gated", "rows": rows, "seconds": time.perf_counter() - start,

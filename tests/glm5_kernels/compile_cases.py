@@ -173,7 +173,7 @@ def kda_cases(arch: int) -> int:
 
     types = {n: "*bf16" for n in ("qkv_ptr", "f_ptr", "b_ptr", "gate_ptr", "out_ptr", "conv_ptr")}
     types |= {n: "*fp32" for n in ("rec_ptr", "conv_w_ptr", "dt_bias_ptr", "a_log_ptr")}
-    types |= {"norm_w_ptr": "*fp32"}
+    types |= {"norm_w_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32"}
     types |= {
         n: "*i64" for n in ("conv_slot_ptr", "conv_off_ptr", "read_slot_ptr", "write_slot_ptr")
     }
@@ -181,12 +181,17 @@ def kda_cases(arch: int) -> int:
                                  "stride_cs", "stride_cc", "stride_rs", "H")}  # fmt: skip
     types |= {n: "fp32" for n in ("q_scale", "lower_bound", "eps")}
     n = 0
-    for t, keep, lb in ((1, False, True), (2, True, True), (8, True, True), (1, False, False)):
-        constexprs = {"T": t, "K": 128, "V": 128, "W": 4, "NCP": 1 << (1 + t).bit_length(),
-                      "KEEP": keep, "HAS_LB": lb,
+    # (tokens, keep, safe gate, BV, warps): the plan's tiles, from 8 CTAs a head to one.
+    cases = ((1, False, True, 16, 2), (2, True, True, 32, 4), (8, True, True, 128, 4),
+             (1, False, False, 64, 4))  # fmt: skip
+    for t, keep, lb, bv, warps in cases:
+        constexprs = {"T": t, "TP": 1 << (t - 1).bit_length(), "K": 128, "V": 128, "BV": bv,
+                      "W": 4, "NCP": 1 << (1 + t).bit_length(), "KEEP": keep, "HAS_LB": lb,
                       "INTERPRETER": False, "PDL": True}  # fmt: skip
-        ptx = _compile(kda_decode_kernel, types, constexprs, arch, num_warps=8)
-        assert "griddepcontrol.wait" in ptx and "st.local" not in ptx, (t, keep, lb)  # no spills
+        ptx = _compile(kda_decode_kernel, types, constexprs, arch, num_warps=warps)
+        # PDL, the last CTA's atomic, and no spills
+        assert "griddepcontrol.wait" in ptx and "atom" in ptx, (t, keep, lb, bv)
+        assert "st.local" not in ptx, (t, keep, lb, bv)
         n += 1
     return n
 

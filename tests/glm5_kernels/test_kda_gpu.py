@@ -16,6 +16,17 @@ K = V = 128
 W = 4
 
 
+def assert_outputs_close(got, want, step):
+    """BF16 rows: o rounds to BF16 before the norm, and a last-bit difference there (or a
+    state value of assert_states_close's) can move it to the neighbouring BF16 value: at
+    most 3 ulps (3 x 2^-8 relative) anywhere, at most 1 % of the values beyond one."""
+    got, want = got.float(), want.float()
+    err = (got - want).abs()
+    assert err.max().item() <= 3 * 2**-8 * want.abs().max().item(), (step, err.max().item())
+    one_ulp = 2**-8 * want.abs() + 1e-6
+    assert (err > one_ulp).float().mean().item() <= 0.01, step
+
+
 def assert_states_close(got, want, step):
     """FP32 states: the kernel's dot products and exp / sigmoid differ from torch's in the
     last bits (off by > 2^-16 of the state's scale: at most 1 % of the values), and a
@@ -70,7 +81,7 @@ def test_consecutive_steps_equal_the_reference(heads, requests, q):
         out = torch.full((r, t, heads * V), float("nan"), device="cuda").bfloat16()
         got = op(*x, *caches["kernel"], **place, out=out)
         assert not got.isnan().any(), step
-        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)
+        assert_outputs_close(got, want, step)
         assert_states_close(caches["kernel"][1], caches["ref"][1], step)
         assert torch.equal(caches["kernel"][0], caches["ref"][0]), step
         if verify:  # accept 1..q tokens: resume from that token's state and conv column

@@ -9,6 +9,8 @@ request and head).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
 
@@ -59,29 +61,69 @@ class KdaDecode:
         from glm5_kernels.kda.triton_kda import kda_decode_kernel  # Triton: an extra
 
         self._kernel = kda_decode_kernel
-        self.warps = 8  # the [V, K] state: 64 FP32 registers a thread at K = V = 128
-        self._ready: set[tuple[int, bool]] = set()  # (tokens per request, keep) compiled
+        cuda = self._device.type == "cuda"
+        self._sms = (
+            torch.cuda.get_device_properties(self._device).multi_processor_count if cuda else 132
+        )
+        self.tile: tuple[int, int] | None = None  # (BV, warps) for every step, else plan()
+        self._ready: set[tuple] = set()  # (tokens per request, keep, BV, warps) compiled
+        self._part = torch.empty(0, device=self._device)  # slices' sums of squares
+        self._count = torch.zeros(0, dtype=torch.int32, device=self._device)  # per (request, head)
 
     def supports(self, tokens: int) -> bool:
         return 1 <= tokens <= self.max_tokens
 
+    def plan(self, requests: int) -> tuple[int, int]:
+        """(BV, warps): each head's state split over V // BV CTAs until the step has two CTAs
+        an SM (one request's 16 heads alone would leave most SMs idle, and one SM moves a
+        64 KB head too slowly), at least 16 rows of V each; 4 warps (2 below 32 rows) hold a
+        slice at 32-128 FP32 registers a thread."""
+        if self.tile is not None:
+            return self.tile
+        nv = 1
+        while requests * self.heads * nv < 2 * self._sms and self.v // (2 * nv) >= 16:
+            nv *= 2
+        bv = self.v // nv
+        return bv, 4 if bv >= 32 else 2
+
     def prepare(self, tokens=None) -> None:
         """Compile every step shape (1..max_tokens tokens per request; decodes and, above
-        one token, verifies) on scratch caches, before any CUDA-graph capture. (`tokens`,
-        the step sizes a caller plans, do not narrow it: a step's tokens per request are
-        not known from its size.)"""
+        one token, verifies; every tile `plan` picks for up to max(tokens) requests) on
+        scratch caches, and size the workspace, before any CUDA-graph capture. (A step's
+        tokens per request are not known from its size: every count is compiled.)"""
         h, k, v, w, dev = self.heads, self.k, self.v, self.width, self._device
         c, bf16 = 2 * h * k + h * v, torch.bfloat16
-        for t in range(1, self.max_tokens + 1):
-            for keep in (False, True) if t > 1 else (False,):
-                rows = [torch.zeros(1, t, n, dtype=bf16, device=dev)
-                        for n in (c, h * k, h, h * v)]  # fmt: skip
-                conv = torch.zeros(2, w - 2 + t, c, dtype=bf16, device=dev)
-                rec = torch.zeros(2, h, v, k, device=dev)
-                one = torch.ones(1, dtype=torch.int64, device=dev)
-                write = torch.ones(1, t, dtype=torch.int64, device=dev)
-                place = dict(conv_slots=one, conv_offset=one - 1, read_slots=one)
-                self(*rows, conv, rec, **place, write_slots=write, keep=keep)
+        most = max(tokens) if tokens else 64
+        self._room(most, most)
+        tiles = {self.plan(r) for r in range(1, most + 1)}
+        chosen = self.tile
+        for t, keep, tile in itertools.product(range(1, self.max_tokens + 1), (False, True), tiles):
+            if keep and t == 1:  # a one-token verify is a decode
+                continue
+            self.tile = tile
+            rows = [torch.zeros(1, t, n, dtype=bf16, device=dev) for n in (c, h * k, h, h * v)]
+            conv = torch.zeros(2, w - 2 + t, c, dtype=bf16, device=dev)
+            rec = torch.zeros(2, h, v, k, device=dev)
+            one = torch.ones(1, dtype=torch.int64, device=dev)
+            write = torch.ones(1, t, dtype=torch.int64, device=dev)
+            place = dict(conv_slots=one, conv_offset=one - 1, read_slots=one)
+            self(*rows, conv, rec, **place, write_slots=write, keep=keep)
+        self.tile = chosen
+
+    def _room(self, requests: int, rows: int) -> None:
+        """The workspace for a step of `requests` x `rows` token rows (grown outside capture
+        only; the counters are zero between steps)."""
+        part, count = rows * self.heads * (self.v // 16), requests * self.heads
+        if self._part.numel() >= part and self._count.numel() >= count:
+            return
+        if _capturing():
+            raise RuntimeError(
+                f"KdaDecode: a step of {requests} requests not prepared; call prepare() with "
+                "the step sizes before CUDA-graph capture"
+            )
+        self._part = torch.empty(max(part, self._part.numel()), device=self._device)
+        self._count = torch.zeros(max(count, self._count.numel()), dtype=torch.int32,
+                                  device=self._device)  # fmt: skip
 
     def __call__(
         self,
@@ -107,26 +149,30 @@ class KdaDecode:
         self._check(qkv, f, b, gate, conv, recurrent, conv_slots, conv_offset, read_slots,
                     write_slots, out)  # fmt: skip
         h, k, v = self.heads, self.k, self.v
-        if (t, keep) not in self._ready:
+        bv, warps = self.plan(r)
+        if (t, keep, bv, warps) not in self._ready:
             if _capturing():  # a capture must never compile
                 raise RuntimeError(
-                    f"KdaDecode: {t} tokens per request (keep={keep}) not prepared; call "
-                    "prepare() before CUDA-graph capture"
+                    f"KdaDecode: {t} tokens per request (keep={keep}, {r} requests) not "
+                    "prepared; call prepare() before CUDA-graph capture"
                 )
-            self._ready.add((t, keep))
+            self._ready.add((t, keep, bv, warps))
+        self._room(r, r * t)
         if out is None:
             out = torch.empty(r, t, h * v, dtype=qkv.dtype, device=qkv.device)
         idx = [x.contiguous() for x in (conv_slots, conv_offset, read_slots, write_slots)]
         lb = self.lower_bound
-        self._kernel[(r, h)](
+        self._kernel[(r, h, v // bv)](
             qkv, f, b, gate, out, conv, recurrent,
             self.conv_weight, self.dt_bias, self.A_log, self.norm_weight, *idx,
+            self._part, self._count,
             qkv.stride(1), f.stride(1), b.stride(1), gate.stride(1), out.stride(1),
             conv.stride(0), conv.stride(1), recurrent.stride(0),
             h, k**-0.5, 0.0 if lb is None else lb, self.eps,
-            T=t, K=k, V=v, W=self.width, NCP=1 << (self.width - 3 + t).bit_length(),  # >= W-2+T
+            T=t, TP=1 << (t - 1).bit_length(), K=k, V=v, BV=bv, W=self.width,
+            NCP=1 << (self.width - 3 + t).bit_length(),  # >= W-2+T
             KEEP=keep, HAS_LB=lb is not None,
-            INTERPRETER=self._interp, PDL=self._pdl, num_warps=self.warps, launch_pdl=self._pdl,
+            INTERPRETER=self._interp, PDL=self._pdl, num_warps=warps, launch_pdl=self._pdl,
         )  # fmt: skip
         return out
 
