@@ -167,8 +167,8 @@ def mhc_cases(arch: int) -> int:
 
 def kda_cases(arch: int) -> int:
     """The KDA decode kernel at GLM-5.3-Flash's head (K = V = 128, conv width 4, the safe
-    gate): a decode (1 token), verifies of 2 and 8 tokens (every state kept), and the
-    softplus gate."""
+    gate): decodes (1 token) and verifies of 2, 4 and 8 tokens (every state kept) at the
+    plan's tiles, a head split over 8 CTAs to one, and the softplus gate."""
     from glm5_kernels.kda.triton_kda import kda_decode_kernel
 
     types = {n: "*bf16" for n in ("qkv_ptr", "f_ptr", "b_ptr", "gate_ptr", "out_ptr", "conv_ptr")}
@@ -182,15 +182,15 @@ def kda_cases(arch: int) -> int:
     types |= {n: "fp32" for n in ("q_scale", "lower_bound", "eps")}
     n = 0
     # (tokens, keep, safe gate, BV, warps): the plan's tiles, from 8 CTAs a head to one.
-    cases = ((1, False, True, 16, 2), (2, True, True, 32, 4), (8, True, True, 128, 4),
-             (1, False, False, 64, 4))  # fmt: skip
+    cases = ((1, False, True, 16, 2), (1, False, True, 128, 8), (2, True, True, 32, 2),
+             (8, True, True, 128, 4), (4, True, False, 64, 4))  # fmt: skip
     for t, keep, lb, bv, warps in cases:
         constexprs = {"T": t, "TP": 1 << (t - 1).bit_length(), "K": 128, "V": 128, "BV": bv,
                       "W": 4, "NCP": 1 << (1 + t).bit_length(), "KEEP": keep, "HAS_LB": lb,
                       "INTERPRETER": False, "PDL": True}  # fmt: skip
         ptx = _compile(kda_decode_kernel, types, constexprs, arch, num_warps=warps)
-        # PDL, the last CTA's atomic, and no spills
-        assert "griddepcontrol.wait" in ptx and "atom" in ptx, (t, keep, lb, bv)
+        # PDL, a split head's hand-off through an atomic, and no spills
+        assert "griddepcontrol.wait" in ptx and ("atom" in ptx) == (bv < 128), (t, keep, lb, bv)
         assert "st.local" not in ptx, (t, keep, lb, bv)
         n += 1
     return n

@@ -43,17 +43,17 @@ def _inputs(gen, r, t, extra=5):
 
 @pytest.mark.parametrize(
     "lower_bound, tile",
-    [(-5.0, None), (None, None), (-5.0, (V, 4))],
+    [(-5.0, (V // 2, 2)), (None, None), (-5.0, (V, 4))],
     ids=["safe-gate", "softplus", "whole-head"],
 )
 def test_consecutive_steps_equal_the_reference(lower_bound, tile):
-    """The planned tile splits each head's V over two CTAs (the last one normalizes);
-    "whole-head" keeps a head in one CTA."""
+    """Each head's V split over two CTAs (the last one normalizes), the planned tiles
+    (split for decodes, whole for the verifies), a head in one CTA."""
     gen = torch.Generator().manual_seed(0 if lower_bound else 1)
     w = _weights(gen, lower_bound)
     op = KdaDecode(**{k: v for k, v in w.items()}, max_tokens=Q)
     op.tile = tile
-    assert op.plan(3) == (tile or (V // 2, 2))
+    assert op.plan(3, 1) == (tile or (16, 2)) and op.plan(3, 3) == (tile or (V, 4))
     slots, r = 9, 3
     conv = torch.randn(slots, W - 2 + Q, H * (2 * K + V), generator=gen).bfloat16()
     rec = torch.randn(slots, H, V, K, generator=gen) * 0.1

@@ -73,18 +73,21 @@ class KdaDecode:
     def supports(self, tokens: int) -> bool:
         return 1 <= tokens <= self.max_tokens
 
-    def plan(self, requests: int) -> tuple[int, int]:
-        """(BV, warps): each head's state split over V // BV CTAs until the step has two CTAs
-        an SM (one request's 16 heads alone would leave most SMs idle, and one SM moves a
-        64 KB head too slowly), at least 16 rows of V each; 4 warps (2 below 32 rows) hold a
-        slice at 32-128 FP32 registers a thread."""
+    def plan(self, requests: int, tokens: int = 1) -> tuple[int, int]:
+        """(BV, warps) for `requests` x `tokens` (the H200 sweep of benchmarks/kda_decode.py):
+        few heads in the step split each head's state over V // BV CTAs (one SM moves a 64
+        KB head too slowly), many keep a head whole (a split recomputes q / k and hands
+        the norm to the head's last CTA). Slices of at least 16 rows."""
         if self.tile is not None:
             return self.tile
-        nv = 1
-        while requests * self.heads * nv < 2 * self._sms and self.v // (2 * nv) >= 16:
-            nv *= 2
-        bv = self.v // nv
-        return bv, 4 if bv >= 32 else 2
+        heads = requests * self.heads
+        if tokens == 1:
+            bv, warps = (16, 2) if heads <= 64 else (128, 8)
+        elif tokens == 2:
+            bv, warps = 32, 2
+        else:
+            bv, warps = (32, 4) if heads <= 16 else (64, 4) if heads <= 128 else (128, 4)
+        return min(bv, self.v), warps
 
     def prepare(self, tokens=None) -> None:
         """Compile every step shape (1..max_tokens tokens per request; decodes and, above
@@ -95,7 +98,7 @@ class KdaDecode:
         c, bf16 = 2 * h * k + h * v, torch.bfloat16
         most = max(tokens) if tokens else 64
         self._room(most, most)
-        tiles = {self.plan(r) for r in range(1, most + 1)}
+        tiles = {self.plan(r, t) for r in range(1, most + 1) for t in range(1, self.max_tokens + 1)}
         chosen = self.tile
         for t, keep, tile in itertools.product(range(1, self.max_tokens + 1), (False, True), tiles):
             if keep and t == 1:  # a one-token verify is a decode
@@ -149,7 +152,7 @@ class KdaDecode:
         self._check(qkv, f, b, gate, conv, recurrent, conv_slots, conv_offset, read_slots,
                     write_slots, out)  # fmt: skip
         h, k, v = self.heads, self.k, self.v
-        bv, warps = self.plan(r)
+        bv, warps = self.plan(r, t)
         if (t, keep, bv, warps) not in self._ready:
             if _capturing():  # a capture must never compile
                 raise RuntimeError(

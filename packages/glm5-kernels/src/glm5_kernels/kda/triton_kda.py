@@ -149,19 +149,39 @@ def kda_decode_kernel(
         slot = tl.load(write_slot_ptr + r * T + T - 1).to(tl.int64)
         _store_state(rec_ptr, slot, stride_rs, state_at, s, BV, K)
 
-    # o and its slice's sum of squares out; this CTA's v channels of the conv state (only
-    # it reads them: after a barrier, as a column written may be one another thread reads).
     out_at = out_ptr + rows[:, None] * stride_out + h * V
+    at = conv_row + dst[:, None] * stride_cc
+    keep_cols = cols[:, None] < n_cols
+    if NV == 1:  # the whole head here: the norm from registers, no hand-off
+        gate = tl.load(gate_ptr + rows[:, None] * stride_g + h * V + vv[None, :],
+                       mask=live[:, None], other=0.0).to(tl.float32)  # fmt: skip
+        norm_w = tl.load(norm_w_ptr + vv).to(tl.float32)
+        rms = tl.sqrt_rn(tl.sum(o_all * o_all, axis=1) / V + eps)
+        y = norm_w[None, :] * (o_all / rms[:, None]) * _sigmoid(gate, INTERPRETER)
+        tl.store(out_at + vv[None, :], _narrow(y, tl.bfloat16, INTERPRETER), mask=live[:, None])
+        tl.debug_barrier()  # a column written may be one another thread reads
+        tl.store(at + cq[None, :], new_q, mask=keep_cols & (cq[None, :] >= 0))
+        tl.store(at + ck[None, :], new_k, mask=keep_cols & (ck[None, :] >= 0))
+        tl.store(at + cv[None, :], new_v, mask=keep_cols & (cv[None, :] >= 0))
+    else:
+        _hand_off(o_all, out_at, vv, live, rows, h, jv, r, at, keep_cols, cq, ck, cv, new_q,
+                  new_k, new_v, part_ptr, count_ptr, gate_ptr, norm_w_ptr, stride_g, H, eps,
+                  TP, V, NV, INTERPRETER)  # fmt: skip
+
+
+@triton.jit
+def _hand_off(o_all, out_at, vv, live, rows, h, jv, r, at, keep_cols, cq, ck, cv, new_q, new_k,
+              new_v, part_ptr, count_ptr, gate_ptr, norm_w_ptr, stride_g, H, eps,
+              TP: tl.constexpr, V: tl.constexpr, NV: tl.constexpr,
+              INTERPRETER: tl.constexpr):  # fmt: skip
+    """A head split over NV CTAs: o (BF16) and the slice's sum of squares out, this CTA's v
+    conv channels (only it reads them); the head's last CTA to arrive applies the gated
+    RMSNorm over all V and stores the q / k conv channels every slice has read by then."""
     tl.store(out_at + vv[None, :], _narrow(o_all, tl.bfloat16, INTERPRETER), mask=live[:, None])
     part_at = part_ptr + (rows * H + h) * NV
     tl.store(part_at + jv, tl.sum(o_all * o_all, axis=1), mask=live)
-    at = conv_row + dst[:, None] * stride_cc
-    keep_cols = cols[:, None] < n_cols
-    tl.debug_barrier()
+    tl.debug_barrier()  # a column written may be one another thread reads
     tl.store(at + cv[None, :], new_v, mask=keep_cols & (cv[None, :] >= 0))
-
-    # The head's last CTA: the gated RMSNorm over all V, and the q / k conv channels (every
-    # slice has read them by now).
     tl.debug_barrier()  # every thread's stores before the release
     last = tl.atomic_add(count_ptr + r * H + h, 1, sem="acq_rel") == NV - 1
     tl.debug_barrier()
