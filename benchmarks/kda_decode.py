@@ -216,6 +216,14 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: HBM {bw / 1e12:.2f} TB/s")
     ops = vllm_ops(args.vllm_ops)
     rows, start = [], time.perf_counter()
+
+    def save():  # after every case: a run cut short keeps what it measured
+        result = provenance("kda_decode", args) | {
+            "hbm_bytes_per_s": bw, "stock": "vLLM 0.33 KimiGatedDeltaNet decode ops + fla-core "
+            "rms_norm_gated", "rows": rows, "seconds": time.perf_counter() - start,
+        }  # fmt: skip
+        write_result(args.out, result)
+
     for heads in (int(h) for h in args.heads.split(",")):
         w = weights(heads, gen)
         op = KdaDecode(**w, max_tokens=8)
@@ -224,6 +232,7 @@ def main() -> None:
             for r in (int(x) for x in args.requests.split(",")):
                 row = case(op, ops, w, heads, r, q, bw, gen, SWEEP if args.sweep else ())
                 rows.append(row)
+                save()
                 e = row["errors"]
                 print(f"H={heads:2d} R={r:2d} q={q}: {row['us']:7.2f} µs (floor "
                       f"{row['floor_us']:6.2f}, ×{row['floor_ratio']:.2f}) fla "
@@ -233,11 +242,6 @@ def main() -> None:
                       f"{e['ours']['state']:.1e}/{e['stock']['state']:.1e} conv "
                       f"{e['ours']['conv_equal']}/{e['stock']['conv_equal']} "
                       f"{row['tile']} {row['tiles_us']}")  # fmt: skip
-    result = provenance("kda_decode", args) | {
-        "hbm_bytes_per_s": bw, "stock": "vLLM 0.33 KimiGatedDeltaNet decode ops + fla-core "
-        "rms_norm_gated", "rows": rows, "seconds": time.perf_counter() - start,
-    }  # fmt: skip
-    write_result(args.out, result)
 
 
 def table(path: str) -> str:
