@@ -196,7 +196,7 @@ def case(op, ops, w, heads, r, q, bw, gen, sweep_tiles=()) -> dict:
     return {"heads": heads, "requests": r, "q": q, "us": us, "fla_us": fla_us, "ref_us": ref_us,
             "floor_us": floor, "speedup_vs_fla": fla_us / us, "floor_ratio": us / floor,
             "launches": call_launches(ours[0]), "fla_launches": call_launches(stock[0]),
-            "copies": copies, "errors": errors, "tile": op.plan(r), "tiles_us": sweep}  # fmt: skip
+            "copies": copies, "errors": errors, "tile": op.plan(r, q), "tiles_us": sweep}  # fmt: skip
 
 
 def main() -> None:
