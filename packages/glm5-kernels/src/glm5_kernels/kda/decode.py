@@ -9,8 +9,6 @@ request and head).
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 from torch import Tensor
 
@@ -90,27 +88,26 @@ class KdaDecode:
         return min(bv, self.v), warps
 
     def prepare(self, tokens=None) -> None:
-        """Compile every step shape (1..max_tokens tokens per request; decodes and, above
-        one token, verifies; every tile `plan` picks for up to max(tokens) requests) on
-        scratch caches, and size the workspace, before any CUDA-graph capture. (A step's
-        tokens per request are not known from its size: every count is compiled.)"""
+        """Compile the steps a decode loop runs — a decode of one token per request, a
+        verify of 2..max_tokens (every state kept) — at every tile `plan` picks for up to
+        max(tokens) requests, on scratch caches, and size the workspace, before any
+        CUDA-graph capture. (A step's tokens per request are not known from its size: every
+        count is compiled. Other shapes compile on first use, outside capture.)"""
         h, k, v, w, dev = self.heads, self.k, self.v, self.width, self._device
         c, bf16 = 2 * h * k + h * v, torch.bfloat16
         most = max(tokens) if tokens else 64
         self._room(most, most)
-        tiles = {self.plan(r, t) for r in range(1, most + 1) for t in range(1, self.max_tokens + 1)}
         chosen = self.tile
-        for t, keep, tile in itertools.product(range(1, self.max_tokens + 1), (False, True), tiles):
-            if keep and t == 1:  # a one-token verify is a decode
-                continue
-            self.tile = tile
+        steps = {(t, self.plan(r, t)) for t in range(1, self.max_tokens + 1)
+                 for r in range(1, most // t + 1)}  # fmt: skip
+        for t, self.tile in sorted(steps):
             rows = [torch.zeros(1, t, n, dtype=bf16, device=dev) for n in (c, h * k, h, h * v)]
             conv = torch.zeros(2, w - 2 + t, c, dtype=bf16, device=dev)
             rec = torch.zeros(2, h, v, k, device=dev)
             one = torch.ones(1, dtype=torch.int64, device=dev)
             write = torch.ones(1, t, dtype=torch.int64, device=dev)
             place = dict(conv_slots=one, conv_offset=one - 1, read_slots=one)
-            self(*rows, conv, rec, **place, write_slots=write, keep=keep)
+            self(*rows, conv, rec, **place, write_slots=write, keep=t > 1)
         self.tile = chosen
 
     def _room(self, requests: int, rows: int) -> None:
