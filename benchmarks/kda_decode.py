@@ -196,7 +196,8 @@ def case(op, ops, w, heads, r, q, bw, gen, sweep_tiles=()) -> dict:
     return {"heads": heads, "requests": r, "q": q, "us": us, "fla_us": fla_us, "ref_us": ref_us,
             "floor_us": floor, "speedup_vs_fla": fla_us / us, "floor_ratio": us / floor,
             "launches": call_launches(ours[0]), "fla_launches": call_launches(stock[0]),
-            "copies": copies, "errors": errors, "tile": op.plan(r, q), "tiles_us": sweep}  # fmt: skip
+            "copies": copies, "errors": errors, "tile": op.plan(r, q),
+            "tiles_us": sweep}  # fmt: skip
 
 
 def main() -> None:
@@ -250,14 +251,17 @@ def table(path: str) -> str:
     out = [
         f"{result['gpu']}, {result['date']}, commit {result['commit']}: `{result['command']}`",
         "",
-        "| heads | requests | q | ours µs (× floor) | launches | stock µs | launches | speedup |",
+        "| heads | requests | q | ours µs (× floor) | best tile µs | stock µs | launches | "
+        "ours / stock |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["rows"]:
+        tiles = r.get("tiles_us") or {"-": r["us"]}
+        best = min(tiles, key=tiles.get)
         out.append(
-            f"| {r['heads']} | {r['requests']} | {r['q']} | {r['us']:.2f} "
-            f"({r['floor_ratio']:.2f}×) | {r['launches']} | {r['fla_us']:.2f} | "
-            f"{r['fla_launches']} | {r['speedup_vs_fla']:.2f}× |"
+            f"| {r['heads']} | {r['requests']} | {r['q']} | {r['us']:.1f} "
+            f"({r['floor_ratio']:.1f}×) | {tiles[best]:.1f} ({best}) | {r['fla_us']:.1f} | "
+            f"{r['launches']} / {r['fla_launches']} | {r['fla_us'] / tiles[best]:.2f}× |"
         )
     return "\n".join(out)
 

@@ -177,6 +177,90 @@ def test_routes_run_stage_ops_and_leave_vllms_modules_as_they_were(built):
         b.route(0, "layers.99.self_attn.o_proj.weight", lambda t: t)
 
 
+def test_kda_route_runs_the_fused_step_on_vllms_caches(built, monkeypatch):
+    """The fused KDA stage inside vLLM's KDA layer (seam 5): the layer's small weights by HF
+    name, `Backbone.kda` from its modules; routed, a uniform verify and a plain decode under
+    vLLM's forward context run vLLM's projections, `KdaDecode` (Triton interpreter) on the
+    layer's own conv / recurrent caches at the placement of vLLM's GDN metadata, and o_proj
+    — equal to the reference step (`kda_decode_ref`) over the checkpoint's weights; a
+    prefill runs vLLM's own forward; unrouted, the class's forward is back."""
+    import torch.nn.functional as F
+    from test_metadata import _gdn
+    from vllm.config import CUDAGraphMode, set_current_vllm_config
+    from vllm.forward_context import create_forward_context, override_forward_context
+
+    from glm5_kernels.kda import KdaDecode, kda_decode_ref
+    from glm5_runtime.reference.backbone import ReferenceBackbone
+
+    model, vllm_config, reference, sd = built
+    b = _backbone(built)
+    assert b.kda == ReferenceBackbone(reference).kda  # lower bound -5, eps 1e-5
+    i, g = 1, reference.g
+    p = f"layers.{i}.self_attn"
+    names = ("conv1d.weight", "forget_gate.dt_bias", "forget_gate.A_log", "o_norm.weight")
+    w = {n: b.weight(0, f"{p}.{n}") for n in names}
+    for n, t in w.items():
+        assert torch.equal(t, sd[f"{p}.{n}"].to(t.dtype)), n
+    small = dict(conv_weight=w["conv1d.weight"][:, 0], dt_bias=w["forget_gate.dt_bias"],
+                 A_log=w["forget_gate.A_log"], norm_weight=w["o_norm.weight"])  # fmt: skip
+    op = KdaDecode(**small, lower_bound=b.kda.lower_bound, eps=b.kda.eps, max_tokens=4)
+    attn = model.model.layers[i].self_attn
+    h, k, width = g.linear_num_heads, g.linear_head_dim, g.linear_conv_kernel_dim
+    gen = torch.Generator().manual_seed(5)
+    slots, q = 9, 3
+    conv = torch.randn(slots, width - 2 + q, 3 * h * k, generator=gen).bfloat16()
+    rec = 0.1 * torch.randn(slots, h, k, k, generator=gen)
+    verify = _gdn(spec=2, q=q)
+    verify.spec_state_indices_tensor = torch.tensor([[4, 7, 2], [8, 1, 5]], dtype=torch.int32)
+    verify.num_accepted_tokens = torch.tensor([2, 3], dtype=torch.int32)
+    decode = _gdn(decodes=3)
+    decode.non_spec_state_indices_tensor = torch.tensor([6, 3, 1, 0], dtype=torch.int32)
+    monkeypatch.setattr(attn, "kv_cache", (conv, rec), raising=False)
+
+    def reference_step(x, md, caches):
+        """The checkpoint's projections, kda_decode_ref, o_proj: the step the route must
+        equal."""
+        from glm5_vllm.metadata import kda_placement
+
+        lin = lambda t, n: F.linear(t, sd[f"{p}.{n}.weight"].to(t.dtype))  # noqa: E731
+        place = kda_placement(md)
+        r, t = place.write_slots.shape
+        rows = [lin(x, "q_proj"), lin(x, "k_proj"), lin(x, "v_proj")]
+        f = lin(lin(x, "forget_gate.f_a_proj"), "forget_gate.f_b_proj")
+        gate = lin(lin(x, "g_a_proj"), "g_b_proj")
+        x3 = [torch.cat(rows, -1), f, lin(x, "b_proj"), gate]
+        o = kda_decode_ref(*(y.view(r, t, -1) for y in x3), *caches, **small, **place.kwargs(),
+                           lower_bound=b.kda.lower_bound, eps=b.kda.eps)  # fmt: skip
+        return lin(o.reshape(r * t, -1), "o_proj")
+
+    with set_current_vllm_config(vllm_config), torch.no_grad():
+        b.route(0, f"{p}.kda", op)
+        assert "forward" in vars(attn)
+        for md in (verify, decode):
+            n = md.num_actual_tokens
+            x = torch.randn(n, g.hidden_size, generator=gen).bfloat16()
+            caches = (conv.clone(), rec.clone())
+            want = reference_step(x, md, caches)
+            context = create_forward_context({attn.prefix: md}, vllm_config,
+                                             cudagraph_runtime_mode=CUDAGraphMode.FULL)  # fmt: skip
+            with override_forward_context(context):
+                got = attn(x, None)
+            assert _rel(got, want) < 2**-7, md.num_spec_decodes
+            assert _rel(conv, caches[0]) < 2**-8 and _rel(rec, caches[1]) < 2**-8
+        # A prefill: vLLM's own forward (recorded here; its kernels are GPU-only).
+        b.route(0, f"{p}.kda", None)
+        called = []
+        monkeypatch.setattr(type(attn), "forward", lambda self, x, pos: called.append(x) or x)
+        b.route(0, f"{p}.kda", op)
+        prefill = _gdn(prefills=1, prefill_tokens=2)
+        with override_forward_context(create_forward_context({attn.prefix: prefill},
+                                                             vllm_config)):  # fmt: skip
+            attn(x[:2], None)
+        assert len(called) == 1
+        b.route(0, f"{p}.kda", None)
+        assert "forward" not in vars(attn)
+
+
 def test_model_binds_the_specialized_decode_and_runs_stock_when_unplanned(built, monkeypatch):
     from vllm.models.glm5next import Glm5NextForCausalLM as Stock
 

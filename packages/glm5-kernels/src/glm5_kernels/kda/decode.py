@@ -166,7 +166,7 @@ class KdaDecode:
             qkv, f, b, gate, out, conv, recurrent,
             self.conv_weight, self.dt_bias, self.A_log, self.norm_weight, *idx,
             self._part, self._count,
-            qkv.stride(1), f.stride(1), b.stride(1), gate.stride(1), out.stride(1),
+            *(_row_stride(x) for x in (qkv, f, b, gate, out)),
             conv.stride(0), conv.stride(1), recurrent.stride(0),
             h, k**-0.5, 0.0 if lb is None else lb, self.eps,
             T=t, TP=1 << (t - 1).bit_length(), K=k, V=v, BV=bv, W=self.width,
@@ -189,7 +189,7 @@ class KdaDecode:
             # [R, T, >= width], columns contiguous, rows at a uniform stride (token r*T + t).
             ok = (x.dim() == 3 and x.shape[:2] == (r, t) and x.shape[2] >= width
                   and x.dtype in dtypes and x.stride(2) == 1
-                  and x.stride(0) == t * x.stride(1))  # fmt: skip
+                  and x.stride(0) == t * _row_stride(x))  # fmt: skip
             if not ok:
                 got = f"{tuple(x.shape)} {x.dtype} strides {x.stride()}"
                 problems.append(f"{name}: {got}, expected [{r}, {t}, {width}] bfloat16 rows")
@@ -226,3 +226,9 @@ class KdaDecode:
                 problems.append(f"conv_offset: a window past the {conv.shape[1]} conv columns")
         if problems:
             raise ValueError("KdaDecode: " + "; ".join(problems))
+
+
+def _row_stride(x: Tensor) -> int:
+    """The stride between token rows r * T + t of [R, T, width] rows (a one-token step's T
+    stride is whatever torch gave its size-1 dim: the request stride is the row stride)."""
+    return x.stride(1) if x.shape[1] > 1 else x.stride(0)
