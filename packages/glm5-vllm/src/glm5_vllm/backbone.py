@@ -15,7 +15,10 @@ module to vLLM) and is recorded in `refused` for one warning per layout.
 A route makes a module's forward run a stage op (an instance attribute that shadows the
 class's forward; removing it restores vLLM's): a whole linear (all-reduced when the module
 is row-parallel and reduces), one part of a fused linear (the other parts keep vLLM's
-weights), the MoE gate (cast to the gate's output dtype), or an MLP block.
+weights), the MoE gate (cast to the gate's output dtype), or an MLP block. The KDA route
+(`layers.{i}.self_attn.kda`) shadows the KDA layer's forward: vLLM's projections, the fused
+KDA step on the layer's own caches at the placement of its GDN metadata, o_proj — or vLLM's
+forward for a step that placement does not cover.
 """
 
 from __future__ import annotations
