@@ -1,8 +1,10 @@
 """glm5-comm: the NVLink one-shot all-reduce on torch symmetric memory, fused with the mHC
 boundary, residual + RMSNorm and the embedding; the logits all-gather. Each has a
 torch.distributed reference and a world-size-1 path. Today: the references
-(`glm5_comm.reference`); the fused GPU exchange is not built yet."""
+(`glm5_comm.reference`) and the one-shot all-reduce (`AllReduce` over a `Mailbox`, CPU-checked
+under the Triton interpreter; not yet run on GPUs); the fusions with the boundary are next."""
 
+from glm5_comm.allreduce import AllReduce, Mailbox
 from glm5_comm.reference import (
     all_reduce_boundary_ref,
     all_reduce_head_ref,
@@ -16,6 +18,8 @@ from glm5_comm.reference import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllReduce",
+    "Mailbox",
     "all_reduce_boundary_ref",
     "all_reduce_head_ref",
     "all_reduce_norm_ref",

@@ -1,0 +1,154 @@
+"""The one-shot all-reduce: every rank's TP-partial rows exchanged through peer mailboxes in
+one launch (`triton_exchange.one_shot_all_reduce_kernel`), summed in FP32 in rank order and
+rounded once — bit-equal to `all_reduce_ref` on every rank.
+
+    mailbox = Mailbox.symmetric(hidden=4096, max_tokens=64)  # torch symmetric memory
+    reduce = AllReduce(mailbox)
+    y = reduce(x)  # x [M, hidden] BF16, M <= max_tokens; capturable
+
+`Mailbox` holds this rank's view of every rank's buffer (3 slots x world x max_tokens *
+hidden BF16 bits, the sentinel until written), its step and arrival counters. On GPUs the
+buffers are torch symmetric memory, read and written through peer pointers (no multicast);
+`Mailbox.of_tensors` takes buffers another way made visible to every rank (shared CPU
+memory under the Triton interpreter, in the tests). World size 1 is the identity: no
+exchange, no launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from glm5_kernels.gemm.linear import _capturing, _interpreting, _pdl
+
+__all__ = ["SENTINEL", "AllReduce", "Mailbox"]
+
+SENTINEL = -32768  # 0x8000, BF16 -0.0: a mailbox value not yet written
+
+
+@dataclass
+class Mailbox:
+    """This rank's handle on the ranks' mailboxes: `peers` [world] int64, every rank's buffer
+    address in this process; `step` / `arrive` [1] int32, this rank's counters (the step
+    picks the slot; every rank steps alike). `buffers`: what keeps the memory alive."""
+
+    rank: int
+    world: int
+    hidden: int
+    max_tokens: int
+    peers: Tensor
+    step: Tensor
+    arrive: Tensor
+    buffers: list = field(default_factory=list, repr=False)
+
+    @staticmethod
+    def shape(world: int, hidden: int, max_tokens: int) -> tuple[int, int, int]:
+        """A rank's buffer: 3 slots x `world` sources x max_tokens * hidden values."""
+        return (3, world, max_tokens * hidden)
+
+    @classmethod
+    def of_tensors(cls, buffers: list[Tensor], rank: int, hidden: int,
+                   max_tokens: int) -> Mailbox:  # fmt: skip
+        """Every rank's buffer (int16, `shape(...)`, the sentinel throughout), as tensors of
+        this process whose addresses every rank's kernel may use."""
+        world = len(buffers)
+        want = cls.shape(world, hidden, max_tokens)
+        problems = [f"buffer {r}: {tuple(b.shape)} {b.dtype}, expected {want} int16 contiguous"
+                    for r, b in enumerate(buffers)
+                    if tuple(b.shape) != want or b.dtype != torch.int16
+                    or not b.is_contiguous()]  # fmt: skip
+        if not 0 <= rank < world:
+            problems.append(f"rank {rank} outside 0..{world - 1}")
+        if problems:
+            raise ValueError("Mailbox: " + "; ".join(problems))
+        device = buffers[rank].device
+        peers = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
+        counters = torch.zeros(2, dtype=torch.int32, device=device)
+        return cls(rank, world, hidden, max_tokens, peers, counters[:1], counters[1:],
+                   list(buffers))  # fmt: skip
+
+    @classmethod
+    def symmetric(cls, hidden: int, max_tokens: int, group=None, device=None) -> Mailbox:
+        """The mailboxes on torch symmetric memory over `group` (default: the world), filled
+        with the sentinel, every rank past a barrier before the first exchange."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group = group or dist.group.WORLD
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        device = device or torch.device("cuda", torch.cuda.current_device())
+        buffer = symm_mem.empty(cls.shape(world, hidden, max_tokens), dtype=torch.int16,
+                                device=device)  # fmt: skip
+        buffer.fill_(SENTINEL)
+        handle = symm_mem.rendezvous(buffer, group.group_name)
+        peers = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+        counters = torch.zeros(2, dtype=torch.int32, device=device)
+        torch.cuda.synchronize(device)
+        dist.barrier(group)
+        return cls(rank, world, hidden, max_tokens, peers, counters[:1], counters[1:],
+                   [buffer, handle])  # fmt: skip
+
+
+class AllReduce:
+    """The one-shot all-reduce of [M, hidden] BF16 rows, M <= the mailbox's max_tokens."""
+
+    def __init__(self, mailbox: Mailbox, *, block_rows: int = 16, block_cols: int = 512):
+        self.mailbox = mailbox
+        self.bm, self.bd = block_rows, min(block_cols, 1 << (mailbox.hidden - 1).bit_length())
+        self._interp = _interpreting()
+        self._pdl = _pdl(mailbox.peers.device)
+        if mailbox.world > 1:
+            from glm5_comm.triton_exchange import one_shot_all_reduce_kernel  # Triton: an extra
+
+            self._kernel = one_shot_all_reduce_kernel
+        self._ready: set[int] = set()  # row tiles compiled
+
+    def supports(self, m: int) -> bool:
+        return 1 <= m <= self.mailbox.max_tokens
+
+    def prepare(self, tokens=None) -> None:
+        """Compile every row tile the step sizes `tokens` (default 1..max_tokens) use, before
+        CUDA-graph capture: an exchange of zeros each (every rank calls it alike)."""
+        if self.mailbox.world == 1:
+            return
+        sizes = {self._tile(m): m for m in tokens or range(1, self.mailbox.max_tokens + 1)}
+        for m in sorted(sizes.values()):
+            self(torch.zeros(m, self.mailbox.hidden, dtype=torch.bfloat16,
+                             device=self.mailbox.peers.device))  # fmt: skip
+
+    def _tile(self, m: int) -> int:
+        return min(self.bm, 1 << (m - 1).bit_length())
+
+    def __call__(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+        mb = self.mailbox
+        m = x.shape[0] if x.dim() == 2 else -1
+        problems = []
+        if x.dim() != 2 or x.shape[1] != mb.hidden or x.dtype != torch.bfloat16 or x.stride(1) != 1:
+            problems.append(f"x: {tuple(x.shape)} {x.dtype}, expected [M, {mb.hidden}] bfloat16 "
+                            "rows")  # fmt: skip
+        elif not self.supports(m):
+            problems.append(f"M={m} rows, outside 1..{mb.max_tokens} (the mailbox's max_tokens)")
+        if out is not None and (tuple(out.shape) != tuple(x.shape) or out.dtype != x.dtype
+                                or out.stride(-1) != 1):  # fmt: skip
+            problems.append(f"out: {tuple(out.shape)} {out.dtype}, expected x's shape and dtype")
+        if problems:
+            raise ValueError("AllReduce: " + "; ".join(problems))
+        if mb.world == 1:  # the sum of one partial: no exchange
+            return x if out is None else out.copy_(x)
+        if out is None:
+            out = torch.empty_like(x)
+        bm = self._tile(m)
+        if bm not in self._ready:
+            if _capturing():
+                raise RuntimeError(f"AllReduce: {m} rows not prepared before CUDA-graph capture")
+            self._ready.add(bm)
+        grid = (-(-m // bm), -(-mb.hidden // self.bd))
+        self._kernel[grid](
+            x, out, mb.peers, mb.step, mb.arrive,
+            m, mb.hidden, x.stride(0), out.stride(0), mb.max_tokens * mb.hidden, mb.rank,
+            WORLD=mb.world, BM=bm, BD=self.bd, INTERPRETER=self._interp, PDL=self._pdl,
+            num_warps=4, launch_pdl=self._pdl,
+        )  # fmt: skip
+        return out

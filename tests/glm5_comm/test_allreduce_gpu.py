@@ -1,0 +1,63 @@
+"""The one-shot all-reduce across the host's GPUs (NVLink peer pointers of torch symmetric
+memory; multicast stays off): every rank's rows equal `all_reduce_ref` (NCCL gather, FP32
+rank-order sum) bit for bit over consecutive calls of sizes 1..64, eager and as a CUDA graph
+replayed with fresh inputs, into NaN-poisoned outputs."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from glm5_comm import AllReduce, Mailbox, all_reduce_ref
+
+pytestmark = pytest.mark.multi_gpu
+
+D, MAX_TOKENS = 4096, 64
+
+
+def _worker(rank: int, world: int, port: int, failures) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0",
+                      TORCH_SYMM_MEM_DISABLE_MULTICAST="1")  # fmt: skip
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device(rank))
+    try:
+        reduce = AllReduce(Mailbox.symmetric(D, MAX_TOKENS))
+        reduce.prepare()
+        gen = torch.Generator("cuda").manual_seed(rank)
+        for step, m in enumerate((1, 3, 8, 64, 17, 2, 33)):
+            x = torch.randn(m, D, generator=gen, device="cuda").bfloat16()
+            out = torch.full_like(x, float("nan"))
+            assert torch.equal(reduce(x, out=out), all_reduce_ref(x)), (rank, step, m)
+        x = torch.zeros(8, D, dtype=torch.bfloat16, device="cuda")
+        out = torch.empty_like(x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            reduce(x, out=out)
+        for step in range(5):
+            x.copy_(torch.randn(8, D, generator=gen, device="cuda"))
+            out.fill_(float("nan"))
+            graph.replay()
+            assert torch.equal(out, all_reduce_ref(x)), (rank, "replay", step)
+    except BaseException as e:
+        failures.put(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gpus_hold_the_rank_order_sum():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    world = torch.cuda.device_count()
+    failures = mp.get_context("spawn").SimpleQueue()
+    try:
+        mp.spawn(_worker, args=(world, port, failures), nprocs=world, join=True)
+    finally:
+        reasons = []
+        while not failures.empty():
+            reasons.append(failures.get())
+        assert not reasons, reasons

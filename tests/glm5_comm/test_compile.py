@@ -1,0 +1,43 @@
+"""glm5-comm's Triton exchange compiles for SM90 (Hopper) and SM100 (Blackwell) on this CPU
+at world sizes 2, 4 and 8 with the launch options `AllReduce` uses: the PTX polls with
+volatile loads, hands the step on through an atomic and waits with PDL. Under
+TRITON_INTERPRET=1 kernels cannot compile, so the cases run in a child without it."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+CASES = """
+import sys
+sys.path.insert(0, {kernels_tests!r})
+from compile_cases import _compile
+from glm5_comm.triton_exchange import one_shot_all_reduce_kernel as kernel
+
+arch = {arch}
+types = {{"x_ptr": "*bf16", "out_ptr": "*bf16", "peers_ptr": "*i64", "step_ptr": "*i32",
+         "arrive_ptr": "*i32"}}
+types |= {{n: "i32" for n in ("M", "D", "stride_x", "stride_out", "slot_elems", "rank")}}
+n = 0
+for world, bm in ((2, 1), (4, 16), (8, 8)):
+    consts = {{"WORLD": world, "BM": bm, "BD": 512, "INTERPRETER": False, "PDL": True}}
+    ptx = _compile(kernel, types, consts, arch, num_warps=4)
+    for needed in ("ld.volatile", "atom", "griddepcontrol.wait"):
+        assert needed in ptx, (world, needed)
+    n += 1
+print(f"sm{{arch}}: compiled {{n}} exchange kernels")
+"""
+
+
+@pytest.mark.parametrize("arch", [90, 100], ids=["sm90", "sm100"])
+def test_exchange_compiles(arch):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    kernels_tests = str(Path(__file__).parents[1] / "glm5_kernels")
+    code = CASES.format(kernels_tests=kernels_tests, arch=arch)
+    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr[-4000:]
+    assert f"sm{arch}: compiled 3 exchange kernels" in child.stdout
