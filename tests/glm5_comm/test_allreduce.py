@@ -3,16 +3,32 @@
 over consecutive calls (every mailbox slot used twice, sizes off the tile grid, a -0.0 in a
 partial) every rank's rows equal `all_reduce_ref`'s math bit for bit — FP32 sum in rank
 order, one rounding — into NaN-poisoned outputs, and every mailbox value received is the
-sentinel again once read. World size 1 is the identity; bad input is one error."""
+sentinel again once read. `AllReduceBoundary` at 2 processes: the boundary (post -> pre ->
+norm, and the head) above the summed partials, within the boundary kernel's tolerances of the
+reference over the single-process sum. World size 1 is the identity; bad input is one error."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from glm5_comm import AllReduce, Mailbox
+from glm5_comm import AllReduce, AllReduceBoundary, Mailbox
 from glm5_comm.allreduce import SENTINEL
+from glm5_kernels.mhc import MhcBoundary, hc_fused_post_pre_ref, hc_head_ref, hc_post_ref
+from glm5_kernels.norm import rms_norm_ref
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "glm5_kernels"))
+from mhc_cases import (  # the boundary kernel's tolerances
+    assert_mix,
+    assert_normed,
+    assert_streams,
+    boundary_inputs,
+    config,
+    site_weights,
+)
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1"
@@ -61,6 +77,50 @@ def test_every_rank_holds_the_rank_order_sum(world):
     failures = mp.get_context("spawn").SimpleQueue()
     try:
         mp.spawn(_worker, args=(buffers, failures), nprocs=world, join=True)
+    finally:
+        reasons = []
+        while not failures.empty():
+            reasons.append(failures.get())
+        assert not reasons, reasons
+
+
+def _boundary_worker(rank: int, buffers: list, failures) -> None:
+    torch.set_num_threads(1)
+    world, c = len(buffers), config(D)
+    try:
+        mailbox = Mailbox.of_tensors(buffers, rank, D, MAX_TOKENS)
+        op = AllReduceBoundary(mailbox, MhcBoundary(c, max_tokens=MAX_TOKENS, device="cpu"))
+        eps = {"rms_eps": c.rms_eps, "hc_eps": c.hc_eps, "sinkhorn_iters": c.sinkhorn_iters,
+               "norm_eps": c.norm_eps}  # fmt: skip
+        for step, m in enumerate((3, 1)):
+            gen = torch.Generator().manual_seed(step)  # the same on every rank
+            site = site_weights(c, "cpu", gen)
+            _, streams, post, comb = boundary_inputs(c, m, "cpu", gen)
+            parts = [torch.randn(m, D, generator=gen).bfloat16() for _ in range(world)]
+            y = sum((p.float() for p in parts[1:]), parts[0].float()).bfloat16()
+            got = op.post_pre(parts[rank], streams, post, comb, *site)
+            want = hc_fused_post_pre_ref(y, streams, post, comb, *site, **eps)
+            assert_streams(got[0], want[0])
+            assert_mix(got[1], got[2], want[1], want[2])
+            assert_normed(got[3], want[3].bfloat16())
+            head = op.head(parts[rank], streams, post, comb, site[3])
+            want = rms_norm_ref(hc_head_ref(hc_post_ref(y, streams, post, comb)), site[3],
+                                c.norm_eps)  # fmt: skip
+            assert_normed(head, want.bfloat16())
+    except BaseException as e:
+        failures.put(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+
+
+def test_the_boundary_above_the_summed_partials():
+    world = 2
+    buffers = [torch.full(Mailbox.shape(world, D, MAX_TOKENS), SENTINEL, dtype=torch.int16)
+               for _ in range(world)]  # fmt: skip
+    for b in buffers:
+        b.share_memory_()
+    failures = mp.get_context("spawn").SimpleQueue()
+    try:
+        mp.spawn(_boundary_worker, args=(buffers, failures), nprocs=world, join=True)
     finally:
         reasons = []
         while not failures.empty():
