@@ -68,20 +68,26 @@ def _worker(rank: int, buffers: list, failures) -> None:
         raise
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_every_rank_holds_the_rank_order_sum(world):
+def _spawn(worker, world: int) -> None:
+    """`worker(rank, buffers, failures)` in `world` processes sharing their mailboxes (every
+    value the sentinel); fails with every rank's reason."""
     buffers = [torch.full(Mailbox.shape(world, D, MAX_TOKENS), SENTINEL, dtype=torch.int16)
                for _ in range(world)]  # fmt: skip
     for b in buffers:
         b.share_memory_()
     failures = mp.get_context("spawn").SimpleQueue()
     try:
-        mp.spawn(_worker, args=(buffers, failures), nprocs=world, join=True)
+        mp.spawn(worker, args=(buffers, failures), nprocs=world, join=True)
     finally:
         reasons = []
         while not failures.empty():
             reasons.append(failures.get())
         assert not reasons, reasons
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_holds_the_rank_order_sum(world):
+    _spawn(_worker, world)
 
 
 def _boundary_worker(rank: int, buffers: list, failures) -> None:
@@ -113,19 +119,7 @@ def _boundary_worker(rank: int, buffers: list, failures) -> None:
 
 
 def test_the_boundary_above_the_summed_partials():
-    world = 2
-    buffers = [torch.full(Mailbox.shape(world, D, MAX_TOKENS), SENTINEL, dtype=torch.int16)
-               for _ in range(world)]  # fmt: skip
-    for b in buffers:
-        b.share_memory_()
-    failures = mp.get_context("spawn").SimpleQueue()
-    try:
-        mp.spawn(_boundary_worker, args=(buffers, failures), nprocs=world, join=True)
-    finally:
-        reasons = []
-        while not failures.empty():
-            reasons.append(failures.get())
-        assert not reasons, reasons
+    _spawn(_boundary_worker, 2)
 
 
 def test_world_size_one_is_the_identity_and_bad_input_is_one_error():
