@@ -180,7 +180,8 @@ def test_routes_run_stage_ops_and_leave_vllms_modules_as_they_were(built):
 def test_kda_route_runs_the_fused_step_on_vllms_caches(built, monkeypatch):
     """The fused KDA stage inside vLLM's KDA layer (seam 5): the layer's small weights by HF
     name, `Backbone.kda` from its modules; routed, a uniform verify and a plain decode under
-    vLLM's forward context run vLLM's projections, `KdaDecode` (Triton interpreter) on the
+    vLLM's forward context (the decode padded, as a graph's step) run vLLM's projections,
+    `KdaDecode` (Triton interpreter) on the
     layer's own conv / recurrent caches at the placement of vLLM's GDN metadata, and o_proj
     — equal to the reference step (`kda_decode_ref`) over the checkpoint's weights; a
     prefill runs vLLM's own forward; unrouted, the class's forward is back."""
@@ -236,16 +237,17 @@ def test_kda_route_runs_the_fused_step_on_vllms_caches(built, monkeypatch):
     with set_current_vllm_config(vllm_config), torch.no_grad():
         b.route(0, f"{p}.kda", op)
         assert "forward" in vars(attn)
-        for md in (verify, decode):
+        for md, padding in ((verify, 0), (decode, 1)):  # the decode padded to 4 rows
             n = md.num_actual_tokens
-            x = torch.randn(n, g.hidden_size, generator=gen).bfloat16()
+            x = torch.randn(n + padding, g.hidden_size, generator=gen).bfloat16()
             caches = (conv.clone(), rec.clone())
-            want = reference_step(x, md, caches)
+            want = reference_step(x[:n], md, caches)
             context = create_forward_context({attn.prefix: md}, vllm_config,
                                              cudagraph_runtime_mode=CUDAGraphMode.FULL)  # fmt: skip
             with override_forward_context(context):
                 got = attn(x, None)
-            assert _rel(got, want) < 2**-7, md.num_spec_decodes
+            assert got.shape[0] == n + padding and got.isfinite().all()
+            assert _rel(got[:n], want) < 2**-7, md.num_spec_decodes
             assert _rel(conv, caches[0]) < 2**-8 and _rel(rec, caches[1]) < 2**-8
         # A prefill: vLLM's own forward (recorded here; its kernels are GPU-only).
         b.route(0, f"{p}.kda", None)

@@ -445,7 +445,9 @@ def _kda_forward(module: nn.Module, op: Any):
         projected = module.in_proj_qkvbfg_a(hidden_states)[0]
         qkv, beta, f_a, g_a = projected.split([3 * p, h, d, d], dim=-1)
         f, gate = module.f_b_proj(f_a)[0], module.g_b_proj(g_a)[0]
-        out = torch.zeros(hidden_states.shape[0], h * d, dtype=qkv.dtype, device=qkv.device)
+        out = torch.empty(hidden_states.shape[0], h * d, dtype=qkv.dtype, device=qkv.device)
+        if n < out.shape[0]:  # a padded step: finite rows into o_proj past the real ones
+            out[n:].zero_()
         conv, recurrent = module.kv_cache
 
         def steps(x: Tensor) -> Tensor:  # [N, width] rows -> [R, T, width], a view
