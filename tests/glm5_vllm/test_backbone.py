@@ -181,10 +181,10 @@ def test_kda_route_runs_the_fused_step_on_vllms_caches(built, monkeypatch):
     """The fused KDA stage inside vLLM's KDA layer (seam 5): the layer's small weights by HF
     name, `Backbone.kda` from its modules; routed, a uniform verify and a plain decode under
     vLLM's forward context (the decode padded, as a graph's step) run vLLM's projections,
-    `KdaDecode` (Triton interpreter) on the
-    layer's own conv / recurrent caches at the placement of vLLM's GDN metadata, and o_proj
-    — equal to the reference step (`kda_decode_ref`) over the checkpoint's weights; a
-    prefill runs vLLM's own forward; unrouted, the class's forward is back."""
+    `KdaDecode` (Triton interpreter) on the layer's own conv / recurrent caches at the
+    placement of vLLM's GDN metadata, and o_proj — equal to the reference step
+    (`kda_decode_ref`) over the checkpoint's weights; a prefill runs vLLM's own forward;
+    unrouted, the class's forward is back."""
     import torch.nn.functional as F
     from test_metadata import _gdn
     from vllm.config import CUDAGraphMode, set_current_vllm_config
