@@ -196,6 +196,31 @@ def kda_cases(arch: int) -> int:
     return n
 
 
+def dsa_cases(arch: int) -> int:
+    """The sparse MLA decode at GLM-5.3-Flash's latent (512) and value dim (256): the split
+    attention and the merge + value-up, with the op's tiles and warps."""
+    from glm5_kernels.dsa.attention import BH, BN, BV, BW, WARPS
+    from glm5_kernels.dsa.triton_attn import sparse_mla_split_kernel, value_up_kernel
+
+    ints = ("N", "H", "W", "chunk", "bs", "stride_qn", "stride_qh", "stride_c", "stride_bt",
+            "stride_idx")  # fmt: skip
+    split = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "bt_ptr": "*i32", "req_ptr": "*i32",
+             "idx_ptr": "*i32", "part_o_ptr": "*fp32", "part_ml_ptr": "*fp32", "scale": "fp32",
+             **{n: "i32" for n in ints}}  # fmt: skip
+    up = {"part_o_ptr": "*fp32", "part_ml_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16",
+          **{n: "i32" for n in ("N", "H", "Vd", "splits", "stride_wh", "stride_wv",
+                                "stride_on", "stride_oh")}}  # fmt: skip
+    common = {"L": 512, "INTERPRETER": False, "PDL": True}
+    cases = [(sparse_mla_split_kernel, split, {"BH": BH, "BW": BW, **common}),
+             (value_up_kernel, up, {"BN": BN, "BV": BV, **common})]  # fmt: skip
+    for kernel, types, constexprs in cases:
+        ptx = _compile(kernel, types, constexprs, arch, num_warps=WARPS)
+        assert "griddepcontrol.wait" in ptx and "st.local" not in ptx, kernel.fn.__name__
+        if arch == 90:  # tensor cores
+            assert "mma" in ptx, kernel.fn.__name__
+    return len(cases)
+
+
 if __name__ == "__main__":
     arch = int(sys.argv[1])
     gemm = bf16_cases(arch) + fp8_cases(arch)
@@ -203,3 +228,4 @@ if __name__ == "__main__":
     print(f"sm{arch}: compiled {moe_cases(arch)} MoE kernels")
     print(f"sm{arch}: compiled {mhc_cases(arch)} mHC kernels")
     print(f"sm{arch}: compiled {kda_cases(arch)} KDA kernels")
+    print(f"sm{arch}: compiled {dsa_cases(arch)} DSA kernels")

@@ -1,7 +1,7 @@
-"""The skinny-GEMM, MoE, mHC boundary and KDA decode Triton kernels compile for SM90 (Hopper)
-and SM100 (Blackwell) on this CPU with the launch options the ops use (compile_cases.py): catches a
-kernel only the interpreter accepts, and on SM90 checks the PTX has wgmma, pipelined cp.async
-weight loads and PDL.
+"""The skinny-GEMM, MoE, mHC boundary, KDA decode and sparse MLA Triton kernels compile for
+SM90 (Hopper) and SM100 (Blackwell) on this CPU with the launch options the ops use
+(compile_cases.py): catches a kernel only the interpreter accepts, and on SM90 checks the PTX
+has wgmma, pipelined cp.async weight loads and PDL.
 Under TRITON_INTERPRET=1 kernels cannot compile, so the cases run in a child without it."""
 
 import os
@@ -28,3 +28,4 @@ def test_kernels_compile(arch):
     assert moe and int(moe.group(1)) >= 9, child.stdout  # route, gate_up, down: 3+ tiles each
     assert f"sm{arch}: compiled 8 mHC kernels" in child.stdout
     assert f"sm{arch}: compiled 5 KDA kernels" in child.stdout
+    assert f"sm{arch}: compiled 2 DSA kernels" in child.stdout

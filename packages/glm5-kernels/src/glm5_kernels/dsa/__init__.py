@@ -1,5 +1,8 @@
-"""DSA indexer ops: k-pool compression, Hadamard + FP8 keys and queries, pool logits."""
+"""DSA ops: the indexer's k-pool compression, Hadamard + FP8 keys and queries, pool logits;
+the sparse MLA decode over the selected tokens (`SparseMlaDecode`, Triton) and its spec."""
 
+from glm5_kernels.dsa.attention import SparseMlaDecode
+from glm5_kernels.dsa.attention_ref import sparse_mla_decode_ref
 from glm5_kernels.dsa.reference import (
     index_logits_fp8_ref,
     kpool_compress_ref,
@@ -9,9 +12,11 @@ from glm5_kernels.dsa.reference import (
 )
 
 __all__ = [
+    "SparseMlaDecode",
     "index_logits_fp8_ref",
     "kpool_compress_ref",
     "pack_kpool_pages_ref",
     "rotate_quant_fp8_ref",
+    "sparse_mla_decode_ref",
     "unpack_kpool_pages_ref",
 ]

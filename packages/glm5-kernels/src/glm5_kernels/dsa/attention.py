@@ -1,0 +1,150 @@
+"""The sparse MLA decode of a DSA layer: `SparseMlaDecode`, the contract of
+`sparse_mla_decode_ref` in two launches (`triton_attn`: the split attention over the selected
+tokens, then the merge and the value-up)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from glm5_kernels.gemm.linear import _capturing, _interpreting, _pdl
+
+__all__ = ["SparseMlaDecode"]
+
+BH, BW, BN, BV = 16, 32, 16, 64  # heads, selected tokens, query rows, value columns a tile
+WARPS = 8  # [16, 512] FP32 accumulators and [32, 512] BF16 latent tiles without spills
+
+
+class SparseMlaDecode:
+    """A layer's value-up W_uv [H, Vd, L] BF16 (kv_b_proj's value rows per head) and the
+    softmax scale; steps of up to `max_rows` query rows (requests x tokens)."""
+
+    def __init__(self, w_uv: Tensor, scale: float, *, max_rows: int = 64):
+        problems = []
+        if w_uv.dim() != 3 or w_uv.dtype != torch.bfloat16 or w_uv.stride(-1) != 1:
+            problems.append(f"w_uv: {tuple(w_uv.shape)} {w_uv.dtype}, expected [H, Vd, L] "
+                            "bfloat16, rows contiguous")  # fmt: skip
+        elif w_uv.shape[2] < 16 or w_uv.shape[2] & (w_uv.shape[2] - 1):
+            problems.append(f"L={w_uv.shape[2]}: a power of two >= 16 expected")
+        if problems:
+            raise ValueError("SparseMlaDecode: " + "; ".join(problems))
+        self.w_uv, self.scale, self.max_rows = w_uv, float(scale), max_rows
+        self.heads, self.vd, self.lat = w_uv.shape
+        dev = w_uv.device
+        self._device, self._pdl, self._interp = dev, _pdl(dev), _interpreting()
+        self._sms = (
+            torch.cuda.get_device_properties(dev).multi_processor_count
+            if dev.type == "cuda"
+            else 132
+        )
+        from glm5_kernels.dsa.triton_attn import sparse_mla_split_kernel, value_up_kernel
+
+        self._split, self._value_up = sparse_mla_split_kernel, value_up_kernel
+        self._part_o = torch.empty(0, device=dev)
+        self._part_ml = torch.empty(0, device=dev)
+        self._ready = False
+
+    def supports(self, rows: int) -> bool:
+        return 1 <= rows <= self.max_rows
+
+    def splits(self, rows: int, selected: int) -> int:
+        """Splits of the selected tokens: enough CTAs for two an SM, at least one BW block
+        each."""
+        ctas = rows * -(-self.heads // BH)
+        return max(1, min(-(-2 * self._sms // ctas), -(-selected // BW)))
+
+    def prepare(self, tokens=None) -> None:
+        """Compile both kernels and size the workspace for `max_rows` rows (the split count
+        bounds rows x splits by the SMs), before any CUDA-graph capture."""
+        dev, h, lat = self._device, self.heads, self.lat
+        self._room(max(r * self.splits(r, 1 << 16) for r in range(1, self.max_rows + 1)))
+        q = torch.zeros(1, h, lat, dtype=torch.bfloat16, device=dev)
+        cache = torch.zeros(1, 16, lat, dtype=torch.bfloat16, device=dev)
+        one = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+        self(q, cache, one, one[0], one)
+        self._ready = True
+
+    def _room(self, rows_x_splits: int) -> None:
+        need = rows_x_splits * self.heads * self.lat
+        if self._part_o.numel() >= need:
+            return
+        if _capturing():
+            raise RuntimeError("SparseMlaDecode: workspace not prepared; call prepare() before "
+                               "CUDA-graph capture")  # fmt: skip
+        self._part_o = torch.empty(need, device=self._device)
+        self._part_ml = torch.empty(2 * rows_x_splits * self.heads, device=self._device)
+
+    def __call__(self, q_lat: Tensor, cache: Tensor, block_table: Tensor, request: Tensor,
+                 indices: Tensor, *, out: Tensor | None = None) -> Tensor:  # fmt: skip
+        """q_lat [N, H, L] BF16, cache [blocks, bs, L] BF16, block_table [R, B] int32,
+        request [N] int32 (each row's request), indices [N, W] int32 (token positions,
+        -1: none) -> [N, H, Vd] BF16 (`sparse_mla_decode_ref`)."""
+        self._check(q_lat, cache, block_table, request, indices, out)
+        if self._capturing_unprepared():
+            raise RuntimeError("SparseMlaDecode: not prepared; call prepare() before capture")
+        n, w = indices.shape
+        splits = self.splits(n, w)
+        self._room(n * splits)
+        per_split = -(-w // splits)
+        chunk = -(-per_split // BW) * BW  # tokens a split, whole BW blocks
+        splits = -(-w // chunk)
+        if out is None:
+            out = torch.empty(n, self.heads, self.vd, dtype=torch.bfloat16, device=q_lat.device)
+        self._split[(n, -(-self.heads // BH), splits)](
+            q_lat, cache, block_table, request, indices, self._part_o, self._part_ml,
+            n, self.heads, w, chunk, cache.shape[1], self.scale,
+            q_lat.stride(0), q_lat.stride(1), cache.stride(1), block_table.stride(0),
+            indices.stride(0),
+            L=self.lat, BH=BH, BW=BW, INTERPRETER=self._interp, PDL=self._pdl, num_warps=WARPS,
+            launch_pdl=self._pdl,
+        )  # fmt: skip
+        self._value_up[(self.heads, -(-self.vd // BV))](
+            self._part_o, self._part_ml, self.w_uv, out,
+            n, self.heads, self.vd, splits, self.w_uv.stride(0), self.w_uv.stride(1),
+            out.stride(0), out.stride(1),
+            L=self.lat, BN=BN, BV=BV, INTERPRETER=self._interp, PDL=self._pdl, num_warps=WARPS,
+            launch_pdl=self._pdl,
+        )  # fmt: skip
+        return out
+
+    def _capturing_unprepared(self) -> bool:
+        return not self._ready and _capturing()
+
+    def _check(self, q_lat, cache, block_table, request, indices, out) -> None:
+        """Every problem with a call's inputs in one error (index ranges: outside capture)."""
+        h, lat, problems = self.heads, self.lat, []
+        n = q_lat.shape[0] if q_lat.dim() == 3 else -1
+        if q_lat.dim() != 3 or q_lat.shape[1:] != (h, lat) or q_lat.dtype != torch.bfloat16 \
+                or q_lat.stride(2) != 1:  # fmt: skip
+            problems.append(f"q_lat: {tuple(q_lat.shape)} {q_lat.dtype}, expected [N, {h}, {lat}] "
+                            "bfloat16")  # fmt: skip
+        elif not self.supports(n):
+            problems.append(f"q_lat: {n} rows, outside 1..{self.max_rows}")
+        uniform = cache.dim() == 3 and cache.stride(0) == cache.shape[1] * cache.stride(1)
+        if not uniform or cache.shape[2] != lat or cache.dtype != torch.bfloat16 \
+                or cache.stride(2) != 1:  # fmt: skip
+            problems.append(f"cache: {tuple(cache.shape)} {cache.dtype}, expected [blocks, bs, "
+                            f"{lat}] bfloat16 with uniform row strides")  # fmt: skip
+        ints = (torch.int32,)
+        for name, x, dims in (("block_table", block_table, 2), ("request", request, 1),
+                              ("indices", indices, 2)):  # fmt: skip
+            if x.dim() != dims or x.dtype not in ints or x.stride(-1) != 1:
+                problems.append(f"{name}: {tuple(x.shape)} {x.dtype}, expected {dims}-D int32")
+        if not problems and (request.shape[0] != n or indices.shape[0] != n):
+            problems.append(f"request / indices: {request.shape[0]} / {indices.shape[0]} rows, "
+                            f"q_lat has {n}")  # fmt: skip
+        if out is not None and (tuple(out.shape) != (n, h, self.vd) or out.dtype != torch.bfloat16
+                                or out.stride(2) != 1):  # fmt: skip
+            problems.append(f"out: {tuple(out.shape)} {out.dtype}, expected [{n}, {h}, "
+                            f"{self.vd}] bfloat16")  # fmt: skip
+        if not problems and not _capturing():  # host syncs: only outside capture
+            bs, blocks = cache.shape[1], block_table.shape[1]
+            if indices.numel() and indices.max() >= blocks * bs:
+                problems.append(f"indices: a position past the block table ({blocks} x {bs})")
+            if request.numel() and (request.min() < 0 or request.max() >= block_table.shape[0]):
+                problems.append(f"request: outside 0..{block_table.shape[0] - 1}")
+            if block_table.numel() and (block_table.min() < 0
+                                        or block_table.max() >= cache.shape[0]):  # fmt: skip
+                problems.append(f"block_table: a block outside the cache's {cache.shape[0]}")
+        if problems:
+            raise ValueError("SparseMlaDecode: " + "; ".join(problems))

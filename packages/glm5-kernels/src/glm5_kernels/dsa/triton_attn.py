@@ -1,0 +1,117 @@
+"""Triton kernels of the sparse MLA decode: flash-decoding over the DSA-selected tokens, then
+the splits merged and the value-up, in two launches.
+
+`sparse_mla_split_kernel`: a CTA per (query row, BH heads, split of the selected tokens)
+walks its split BW tokens at a time: each token's latent row gathered through the block table
+(one [BW, L] BF16 load, shared by all BH heads), scores = q_lat . c on the tensor cores,
+an online softmax (running max and sum), acc += p . c. Its FP32 partial (acc [BH, L], max,
+sum) goes to the workspace. Splitting the selected tokens is what lets one request fill the
+GPU (a 2063-token selection is 65 blocks of 32).
+
+`value_up_kernel`: a CTA per (head, BV output columns) holds W_uv's [BV, L] tile (loaded
+before the PDL wait: it does not depend on the attention) and, for blocks of BN query rows,
+merges the splits (each rescaled to the common max) into o [BN, L], then o . W_uv^T on the
+tensor cores: every head's weights are read once a step, however many rows there are.
+"""
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from glm5_kernels.gemm.triton_skinny import _narrow
+
+
+@triton.jit
+def _dot(a, b, INTERPRETER: tl.constexpr):
+    """a @ b of BF16 tiles into FP32 (the interpreter's BF16 dot multiplies raw bits: there
+    it runs on the exact FP32 upcasts; see gemm.triton_skinny)."""
+    if INTERPRETER:
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    return tl.dot(a, b)
+
+
+@triton.jit
+def sparse_mla_split_kernel(
+    q_ptr, cache_ptr, bt_ptr, req_ptr, idx_ptr, part_o_ptr, part_ml_ptr,
+    N, H, W, chunk, bs, scale,
+    stride_qn, stride_qh, stride_c, stride_bt, stride_idx,
+    L: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, INTERPRETER: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    n, hb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    heads = hb * BH + tl.arange(0, BH)
+    hm = heads < H
+    lat = tl.arange(0, L)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    q = tl.load(q_ptr + n * stride_qn + heads[:, None] * stride_qh + lat[None, :],
+                mask=hm[:, None], other=0.0)  # fmt: skip
+    req = tl.load(req_ptr + n).to(tl.int64)
+    m_i = tl.full([BH], float("-inf"), tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, L], tl.float32)
+    start = sp * chunk
+    end = tl.minimum(start + chunk, W)
+    for w0 in range(start, end, BW):
+        w = w0 + tl.arange(0, BW)
+        pos = tl.load(idx_ptr + n * stride_idx + w, mask=w < end, other=-1)
+        ok = pos >= 0
+        at = tl.where(ok, pos, 0)
+        block = tl.load(bt_ptr + req * stride_bt + at // bs, mask=ok, other=0).to(tl.int64)
+        slot = block * bs + at % bs  # the latent rows [BW, L], for all BH heads
+        c = tl.load(cache_ptr + slot[:, None] * stride_c + lat[None, :], mask=ok[:, None],
+                    other=0.0)  # fmt: skip
+        s = _dot(q, tl.trans(c), INTERPRETER) * scale  # [BH, BW] FP32
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: all zero
+        alpha = tl.exp(m_i - base)
+        p = tl.exp(s - base[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(_narrow(p, tl.bfloat16, INTERPRETER), c, INTERPRETER)
+        m_i = m_new
+    row = (sp * N + n) * H + heads
+    tl.store(part_o_ptr + row[:, None] * L + lat[None, :], acc, mask=hm[:, None])
+    tl.store(part_ml_ptr + row * 2, m_i, mask=hm)
+    tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=hm)
+
+
+@triton.jit
+def value_up_kernel(
+    part_o_ptr, part_ml_ptr, w_ptr, out_ptr,
+    N, H, Vd, splits, stride_wh, stride_wv, stride_on, stride_oh,
+    L: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr, INTERPRETER: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    h, vb = tl.program_id(0), tl.program_id(1)
+    v = vb * BV + tl.arange(0, BV)
+    vm = v < Vd
+    lat = tl.arange(0, L)
+    # W_uv's [BV, L] tile before the wait: it does not depend on the attention.
+    w = tl.load(w_ptr + h * stride_wh + v[:, None] * stride_wv + lat[None, :], mask=vm[:, None],
+                other=0.0)  # fmt: skip
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    for n0 in range(0, N, BN):
+        rows = n0 + tl.arange(0, BN)
+        rm = rows < N
+        top = tl.full([BN], float("-inf"), tl.float32)
+        for sp in range(splits):
+            ml = part_ml_ptr + ((sp * N + rows) * H + h) * 2
+            top = tl.maximum(top, tl.load(ml, mask=rm, other=float("-inf")))
+        base = tl.where(top == float("-inf"), 0.0, top)
+        den = tl.zeros([BN], tl.float32)
+        o = tl.zeros([BN, L], tl.float32)
+        for sp in range(splits):
+            row = (sp * N + rows) * H + h
+            f = tl.exp(tl.load(part_ml_ptr + row * 2, mask=rm, other=float("-inf")) - base)
+            den += f * tl.load(part_ml_ptr + row * 2 + 1, mask=rm, other=0.0)
+            part = tl.load(part_o_ptr + row[:, None] * L + lat[None, :], mask=rm[:, None],
+                           other=0.0)  # fmt: skip
+            o += f[:, None] * part
+        o = o / tl.where(den > 0.0, den, 1.0)[:, None]  # no token selected: zero
+        y = _dot(_narrow(o, tl.bfloat16, INTERPRETER), tl.trans(w), INTERPRETER)  # [BN, BV]
+        tl.store(out_ptr + rows[:, None] * stride_on + h * stride_oh + v[None, :],
+                 _narrow(y, tl.bfloat16, INTERPRETER), mask=rm[:, None] & vm[None, :])  # fmt: skip
