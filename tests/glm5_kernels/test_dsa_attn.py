@@ -71,7 +71,7 @@ def test_bad_input_names_every_problem():
     q, cache, table, request, indices, w_uv = _case(gen, 4, 2, 1, 20, 30)
     op = SparseMlaDecode(w_uv, scale=0.1, max_rows=8)
     with pytest.raises(ValueError) as e:
-        op(q.float(), cache[..., :32], table.long(), request, indices)
+        op(q.float(), cache[..., :32], table.float(), request, indices)
     for name in ("q_lat:", "cache:", "block_table:"):
         assert name in str(e.value), e.value
     bad = indices.clone()

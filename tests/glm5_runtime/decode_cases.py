@@ -3,6 +3,7 @@ and `shadow`, which makes each stage op also run the stock op it replaces on the
 
 import torch
 
+from glm5_kernels.dsa import sparse_mla_decode_ref
 from glm5_kernels.kda import kda_decode_ref
 
 # The MoE stage: per-route at 1-4 tokens, grouped at 5-16 and 33-64 (16-token groups cut
@@ -12,6 +13,7 @@ ALL_STAGES = {
     "moe": {"1-4": "per_route", "5-16": "grouped", "33-64": "grouped"},
     "boundary": {"1-16": "nvlink", "21-64": "nvlink"},
     "kda": {"1-64": "fused"},
+    "dsa_attn": {"1-64": "sparse"},
     **{
         stage: {"1-64": choice}
         for stage, choice in [
@@ -38,7 +40,7 @@ ALL_STAGES = {
 # state carries: 2^-7 for the rows and for the state it writes.
 CALL_BOUND = {
     "Projection": 4e-3, "Router": 1e-5, "SharedExpert": 2**-4, "DenseMlp": 2**-4,
-    "MoeLayer": 2**-4, "KdaDecode": 2**-7, "KdaState": 2**-7,
+    "MoeLayer": 2**-4, "KdaDecode": 2**-7, "KdaState": 2**-7, "SparseMlaDecode": 2**-7,
 }  # fmt: skip
 
 
@@ -65,6 +67,11 @@ class Shadow:
     def __call__(self, x, *args, **kw):
         if type(self.op).__name__ == "KdaDecode":
             return self._kda(x, *args, **kw)
+        if type(self.op).__name__ == "SparseMlaDecode":
+            y = self.op(x, *args, **kw)
+            ref = sparse_mla_decode_ref(x, *args, self.op.w_uv, self.op.scale)
+            self.pairs.append(("SparseMlaDecode", self.name, y, ref))
+            return y
         y = self.op(x)
         routes, self.rank.routes = self.rank.routes, {}  # the stock op, this once
         try:

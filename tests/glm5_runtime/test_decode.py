@@ -72,7 +72,8 @@ def test_planned_steps_equal_stock(q):
     shadow(decode, spec, pairs)
     kinds = {op.__class__.__name__ for op, _ in decode.ops}
     assert kinds == {
-        "Projection", "Router", "SharedExpert", "DenseMlp", "MoeLayer", "MhcBoundary", "KdaDecode"
+        "Projection", "Router", "SharedExpert", "DenseMlp", "MoeLayer", "MhcBoundary", "KdaDecode",
+        "SparseMlaDecode",
     }  # fmt: skip
     assert decode.mhc is not None and decode.mhc_tokens == {q, q * q}
     assert decode.batches == [q, q * q]
@@ -156,7 +157,8 @@ def test_stage_that_cannot_build_warns_once_and_runs_stock(caplog):
     assert any("dense_mlp runs stock" in w for w in warned)
     assert any("moe runs stock" in w for w in warned)
     kinds = {op.__class__.__name__ for op, _ in decode.ops}
-    assert kinds == {"Projection", "Router", "MhcBoundary", "KdaDecode"}  # the BF16 ones build
+    # The BF16 ones build.
+    assert kinds == {"Projection", "Router", "MhcBoundary", "KdaDecode", "SparseMlaDecode"}
     routed = {name for _, name, _ in decode.routes[2]}
     assert not any(name.endswith((".mlp", ".shared_experts")) for name in routed)
 
@@ -184,7 +186,8 @@ def test_stage_that_cannot_compile_warns_once_and_runs_stock(caplog, monkeypatch
     ]
     assert decode.mhc is None  # planned steps run the stock boundaries
     kinds = {op.__class__.__name__ for op, _ in decode.ops}
-    assert kinds == {"Projection", "SharedExpert", "DenseMlp", "KdaDecode"}  # shared: served again
+    # shared: served again
+    assert kinds == {"Projection", "SharedExpert", "DenseMlp", "KdaDecode", "SparseMlaDecode"}
     assert not any(name.endswith(".gate.weight") for _, name, _ in decode.routes[2])
     assert not any(type(op).__name__ == "MoeLayer" for _, _, op in decode.routes[2])
     assert decode.head  # the other stages are untouched
@@ -201,7 +204,7 @@ def test_draft_steps_equal_stock():
     draft = SpecializedDraft(ReferenceBackbone(spec), config)
     draft.prepare()
     kinds = {op.__class__.__name__ for op, _ in draft.ops}
-    assert kinds == {"Projection", "Router", "SharedExpert", "MoeLayer"}
+    assert kinds == {"Projection", "Router", "SharedExpert", "MoeLayer", "SparseMlaDecode"}
     assert not any(type(op).__name__ == "Router" for _, _, op in draft.routes[2])  # in MoE
     routed = {name for _, name, _ in draft.routes[2]}
     assert f"layers.{g.num_hidden_layers}.eh_proj.weight" in routed

@@ -21,7 +21,7 @@ from glm5_kernels.mhc import MhcConfig
 
 from .plan import Rows
 
-__all__ = ["Backbone", "Kda", "KdaPlacement", "Layer", "Route", "Routing"]
+__all__ = ["Backbone", "Kda", "KdaPlacement", "Layer", "Mla", "Route", "Routing"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,16 @@ class Kda:
 
     lower_bound: float | None
     eps: float
+
+
+@dataclass(frozen=True)
+class Mla:
+    """What the sparse MLA stage needs besides weights: the per-head split of kv_b_proj's
+    rows (nope key dims, then value dims) and the softmax scale."""
+
+    nope_dim: int
+    v_dim: int
+    scale: float
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,13 @@ class Backbone(Protocol):
     # gated-normed rows o_proj reads; weights `conv1d.weight`, `forget_gate.dt_bias`,
     # `forget_gate.A_log`, `o_norm.weight` under `layers.{i}.self_attn.`. None: KDA stays stock.
     kda: Kda | None
+    # Where the backbone's MLA layers take the sparse MLA stage (seam 5): the route
+    # `layers.{i}.self_attn.dsa_attn` gets the absorbed query [N, H, L] BF16, the layer's
+    # latent cache [blocks, block_size, L], the step's block table, each row's request and the
+    # indexer's selected token positions [N, W] (-1: none), and returns the value-up output
+    # [N, H, v_dim] o_proj reads; its weight `layers.{i}.self_attn.kv_b_proj.weight`. None:
+    # the attention core stays stock.
+    mla: Mla | None
     aux_layers: tuple[int, ...]  # layers whose hidden states a drafter collects
     # Attention weights holding several HF projections in one tensor, as the backbone runs
     # them: fused name (under a layer's `self_attn.`) -> the projections in it a stage may

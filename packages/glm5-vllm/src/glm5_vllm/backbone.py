@@ -102,6 +102,9 @@ class VllmBackbone:
         self._hc = config.hc_mult
         self.kda = _kda([self.decoder.layers[x.index].self_attn for x in self.layers
                          if x.attention == "kda"])  # fmt: skip
+        # The sparse MLA stage's route into vLLM's MLA layer (its latent cache, block table
+        # and the indexer's selection as neutral tensors) is not wired yet: MLA stays vLLM's.
+        self.mla = None
         self.mhc = _mhc(config, [self.decoder.layers[x.index] for x in self.layers],
                         getattr(self.decoder, "norm", None))  # fmt: skip
         self._routes: dict[nn.Module, dict[int | None, Any]] = {}

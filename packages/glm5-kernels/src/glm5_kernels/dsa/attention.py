@@ -76,9 +76,9 @@ class SparseMlaDecode:
 
     def __call__(self, q_lat: Tensor, cache: Tensor, block_table: Tensor, request: Tensor,
                  indices: Tensor, *, out: Tensor | None = None) -> Tensor:  # fmt: skip
-        """q_lat [N, H, L] BF16, cache [blocks, bs, L] BF16, block_table [R, B] int32,
-        request [N] int32 (each row's request), indices [N, W] int32 (token positions,
-        -1: none) -> [N, H, Vd] BF16 (`sparse_mla_decode_ref`)."""
+        """q_lat [N, H, L] BF16, cache [blocks, bs, L] BF16, block_table [R, B], request [N]
+        (each row's request), indices [N, W] (token positions, -1: none), int32 or int64 ->
+        [N, H, Vd] BF16 (`sparse_mla_decode_ref`)."""
         self._check(q_lat, cache, block_table, request, indices, out)
         if self._capturing_unprepared():
             raise RuntimeError("SparseMlaDecode: not prepared; call prepare() before capture")
@@ -125,11 +125,11 @@ class SparseMlaDecode:
                 or cache.stride(2) != 1:  # fmt: skip
             problems.append(f"cache: {tuple(cache.shape)} {cache.dtype}, expected [blocks, bs, "
                             f"{lat}] bfloat16 with uniform row strides")  # fmt: skip
-        ints = (torch.int32,)
+        ints = (torch.int32, torch.int64)
         for name, x, dims in (("block_table", block_table, 2), ("request", request, 1),
                               ("indices", indices, 2)):  # fmt: skip
             if x.dim() != dims or x.dtype not in ints or x.stride(-1) != 1:
-                problems.append(f"{name}: {tuple(x.shape)} {x.dtype}, expected {dims}-D int32")
+                problems.append(f"{name}: {tuple(x.shape)} {x.dtype}, expected {dims}-D int")
         if not problems and (request.shape[0] != n or indices.shape[0] != n):
             problems.append(f"request / indices: {request.shape[0]} / {indices.shape[0]} rows, "
                             f"q_lat has {n}")  # fmt: skip

@@ -167,12 +167,18 @@ class RankStages:
             raise ValueError(f"layers.{layer}: a shared indexer layer needs a full layer before it")
         valid = topk >= 0  # [R, T, W]
         idx = topk.clamp(min=0)
-        cached = latent[_slots(idx, step)].float()  # [R, T, W, lora]
         # Absorbed MLA: q·(W_uk c) = (W_uk^T q)·c, and o = W_uv (p·c): exact, without
         # expanding every selected token to all heads.
         kv_b = self.w[f"{a}.kv_b_proj.weight"].float().reshape(heads, nope + vd, lora)
         w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]
         q_lat = torch.einsum("rthn,hnl->rthl", q.float(), w_uk)
+        fused = self.routes.get(f"{a}.dsa_attn")  # the sparse MLA stage: attention + value-up
+        if fused is not None and x.dtype == torch.bfloat16 and fused.supports(R * T):
+            rows = torch.arange(R, device=x.device).repeat_interleave(T)
+            o = fused(q_lat.to(x.dtype).reshape(R * T, heads, lora), self.c.latent[layer],
+                      step.block_table, rows, topk.reshape(R * T, -1))  # fmt: skip
+            return self.linear(o.reshape(R, T, heads * vd), f"{a}.o_proj.weight"), topk
+        cached = latent[_slots(idx, step)].float()  # [R, T, W, lora]
         scores = (
             torch.einsum("rthl,rtwl->rthw", q_lat, cached) * (nope + g.qk_rope_head_dim) ** -0.5
         )
