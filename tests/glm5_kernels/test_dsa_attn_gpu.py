@@ -35,7 +35,7 @@ def _case(heads, rows, requests, context, seed):
 @pytest.mark.parametrize("rows, requests, context", [(1, 1, 16384), (8, 3, 4096), (64, 16, 1000)])
 def test_matches_the_reference(heads, rows, requests, context):
     q, cache, table, request, indices, w_uv = _case(heads, rows, requests, context, rows + heads)
-    scale = 192**-0.5
+    scale = 256**-0.5
     op = SparseMlaDecode(w_uv, scale, max_rows=64)
     op.prepare()
     out = torch.full((rows, heads, VD), float("nan"), device="cuda").bfloat16()
@@ -48,7 +48,7 @@ def test_matches_the_reference(heads, rows, requests, context):
 
 def test_a_captured_call_replays_like_eager():
     q, cache, table, request, indices, w_uv = _case(16, 4, 2, 8192, 1)
-    op = SparseMlaDecode(w_uv, 192**-0.5, max_rows=64)
+    op = SparseMlaDecode(w_uv, 256**-0.5, max_rows=64)
     op.prepare()
     eager = op(q, cache, table, request, indices).clone()
     out = torch.empty_like(eager)
