@@ -65,7 +65,6 @@ def case(op, heads, requests, q, context, bw, gen) -> dict:
     floor = per_call / bw * 1e6
     us = graph_calls_us(ours)
     ref_us = graph_calls_us(ref) if rows * width * L * 4 < (8 << 30) else None
-    del cache
     return {"stage": "dsa_attn", "heads": heads, "context": context, "requests": requests,
             "q": q, "us": us, "ref_us": ref_us, "floor_us": floor, "floor_ratio": us / floor,
             "launches": call_launches(ours[0]), "splits": op.splits(rows, width),
