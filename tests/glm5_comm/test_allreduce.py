@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from glm5_comm import AllReduce, AllReduceBoundary, Mailbox
+from glm5_comm import AllReduce, AllReduceBoundary, AllReduceNorm, Mailbox
 from glm5_comm.allreduce import SENTINEL
 from glm5_kernels.mhc import MhcBoundary, hc_fused_post_pre_ref, hc_head_ref, hc_post_ref
 from glm5_kernels.norm import rms_norm_ref
@@ -120,6 +120,41 @@ def _boundary_worker(rank: int, buffers: list, failures) -> None:
 
 def test_the_boundary_above_the_summed_partials():
     _spawn(_boundary_worker, 2)
+
+
+def _norm_worker(rank: int, buffers: list, failures) -> None:
+    torch.set_num_threads(1)
+    world = len(buffers)
+    try:
+        mailbox = Mailbox.of_tensors(buffers, rank, D, MAX_TOKENS)
+        gen = torch.Generator().manual_seed(7)  # the same on every rank
+        weight = (1 + 0.1 * torch.randn(D, generator=gen)).bfloat16()
+        op = AllReduceNorm(mailbox, weight, 1e-5)
+        for step, m in enumerate((3, 1, 8, 2)):
+            parts = [torch.randn(m, D, generator=gen).bfloat16() for _ in range(world)]
+            residual = torch.randn(m, D, generator=gen).bfloat16()
+            y = sum((p.float() for p in parts[1:]), parts[0].float()).bfloat16()
+            want_res = (y.float() + residual.float()).bfloat16()
+            want = rms_norm_ref(want_res, weight, 1e-5)
+            out = (torch.full_like(residual, float("nan")), torch.full_like(residual, float("nan")))
+            got_res, got = op(parts[rank], residual, out=out)
+            assert got_res is out[0] and torch.equal(got_res, want_res), (rank, step)
+            assert_normed(got, want)
+    except BaseException as e:
+        if failures is not None:  # None: this process, world size 1
+            failures.put(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_norm_above_the_summed_partials(world):
+    """AllReduceNorm (the MTP layer's boundaries): the residual bit for bit, the normed row
+    within the norm's roundings; world size 1 is the add and the norm alone."""
+    if world == 1:
+        _norm_worker(0, [torch.full(Mailbox.shape(1, D, MAX_TOKENS), SENTINEL,
+                                    dtype=torch.int16)], None)  # fmt: skip
+    else:
+        _spawn(_norm_worker, world)
 
 
 def test_world_size_one_is_the_identity_and_bad_input_is_one_error():

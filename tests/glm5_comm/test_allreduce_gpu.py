@@ -1,7 +1,8 @@
 """The one-shot all-reduce across the host's GPUs (NVLink peer pointers of torch symmetric
 memory; multicast stays off): every rank's rows equal `all_reduce_ref` (NCCL gather, FP32
 rank-order sum) bit for bit over consecutive calls of sizes 1..64, eager and as a CUDA graph
-replayed with fresh inputs, into NaN-poisoned outputs."""
+replayed with fresh inputs, into NaN-poisoned outputs; `AllReduceNorm` on the same
+mailbox."""
 
 import os
 import socket
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from glm5_comm import AllReduce, Mailbox, all_reduce_ref
+from glm5_comm import AllReduce, AllReduceNorm, Mailbox, all_reduce_norm_ref, all_reduce_ref
 
 pytestmark = pytest.mark.multi_gpu
 
@@ -41,6 +42,18 @@ def _worker(rank: int, world: int, port: int, failures) -> None:
             out.fill_(float("nan"))
             graph.replay()
             assert torch.equal(out, all_reduce_ref(x)), (rank, "replay", step)
+        # The MTP layer's boundary on the same mailbox: the residual bit for bit, the normed
+        # row within one BF16 rounding of the reference's.
+        weight = torch.ones(D, device="cuda").bfloat16()
+        norm = AllReduceNorm(reduce.mailbox, weight, 1e-5)
+        norm.prepare()
+        for m in (1, 7, 64):
+            x = torch.randn(m, D, generator=gen, device="cuda").bfloat16()
+            residual = torch.randn(m, D, generator=gen, device="cuda").bfloat16()
+            got_res, got = norm(x, residual)
+            want_res, want = all_reduce_norm_ref(x, residual, weight, 1e-5)
+            assert torch.equal(got_res, want_res), (rank, "norm", m)
+            assert ((got.float() - want.float()).abs() <= 2**-7 * want.float().abs()).all()
     except BaseException as e:
         failures.put(f"rank {rank}: {type(e).__name__}: {e}")
         raise

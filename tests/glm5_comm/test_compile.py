@@ -1,6 +1,7 @@
-"""glm5-comm's Triton exchange compiles for SM90 (Hopper) and SM100 (Blackwell) on this CPU
-at world sizes 2, 4 and 8 with the launch options `AllReduce` uses: the PTX polls with
-volatile loads, hands the step on through an atomic and waits with PDL. Under
+"""glm5-comm's Triton kernels compile for SM90 (Hopper) and SM100 (Blackwell) on this CPU
+with the launch options their ops use: the all-reduce at world sizes 2, 4 and 8 (the PTX
+polls with volatile loads, hands the step on through an atomic and waits with PDL), the
+all-reduce + norm at 1 (no exchange), 2 and 8, a row of 4096 a CTA without spills. Under
 TRITON_INTERPRET=1 kernels cannot compile, so the cases run in a child without it."""
 
 import os
@@ -29,6 +30,17 @@ for world, bm in ((2, 1), (4, 16), (8, 8)):
     for needed in ("ld.volatile", "atom", "griddepcontrol.wait"):
         assert needed in ptx, (world, needed)
     n += 1
+from glm5_comm.triton_exchange import all_reduce_norm_kernel as norm
+types = {{n: "*bf16" for n in ("x_ptr", "res_ptr", "res_out_ptr", "normed_ptr", "w_ptr")}}
+types |= {{"peers_ptr": "*i64", "step_ptr": "*i32", "arrive_ptr": "*i32", "eps": "fp32"}}
+types |= {{n: "i32" for n in ("M", "D", "stride_x", "stride_res", "stride_res_out",
+                              "stride_normed", "slot_elems", "rank")}}
+for world in (1, 2, 8):
+    consts = {{"WORLD": world, "BD": 4096, "INTERPRETER": False, "PDL": True}}
+    ptx = _compile(norm, types, consts, arch, num_warps=8)
+    assert "griddepcontrol.wait" in ptx and "st.local" not in ptx, world
+    assert ("ld.volatile" in ptx) == (world > 1), world
+    n += 1
 print(f"sm{{arch}}: compiled {{n}} exchange kernels")
 """
 
@@ -40,4 +52,4 @@ def test_exchange_compiles(arch):
     code = CASES.format(kernels_tests=kernels_tests, arch=arch)
     child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert child.returncode == 0, child.stderr[-4000:]
-    assert f"sm{arch}: compiled 3 exchange kernels" in child.stdout
+    assert f"sm{arch}: compiled 6 exchange kernels" in child.stdout

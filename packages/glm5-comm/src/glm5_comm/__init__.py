@@ -1,12 +1,14 @@
 """glm5-comm: the NVLink one-shot all-reduce on torch symmetric memory, fused with the mHC
 boundary, residual + RMSNorm and the embedding; the logits all-gather. Each has a
 torch.distributed reference and a world-size-1 path. Today: the references
-(`glm5_comm.reference`), the one-shot all-reduce (`AllReduce` over a `Mailbox`) and the
-all-reduce + mHC boundary (`AllReduceBoundary`, two launches), CPU-checked under the Triton
-interpreter, not yet run on GPUs; the one-launch fusion is next."""
+(`glm5_comm.reference`), the one-shot all-reduce (`AllReduce` over a `Mailbox`), the
+all-reduce + mHC boundary (`AllReduceBoundary`, two launches) and the all-reduce + residual +
+RMSNorm (`AllReduceNorm`, one launch), CPU-checked under the Triton interpreter, not yet run
+on GPUs."""
 
 from glm5_comm.allreduce import AllReduce, Mailbox
 from glm5_comm.boundary import AllReduceBoundary
+from glm5_comm.norm import AllReduceNorm
 from glm5_comm.reference import (
     all_reduce_boundary_ref,
     all_reduce_head_ref,
@@ -22,6 +24,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AllReduce",
     "AllReduceBoundary",
+    "AllReduceNorm",
     "Mailbox",
     "all_reduce_boundary_ref",
     "all_reduce_head_ref",

@@ -98,3 +98,41 @@ def one_shot_all_reduce_kernel(
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y, mask=mask)
     clear_read(peers_ptr, rank, slot, offs, mask, slot_elems, WORLD)
     next_step(step_ptr, arrive_ptr, step)
+
+
+@triton.jit
+def all_reduce_norm_kernel(
+    x_ptr, res_ptr, res_out_ptr, normed_ptr, w_ptr, peers_ptr, step_ptr, arrive_ptr,
+    M, D, stride_x, stride_res, stride_res_out, stride_normed, slot_elems, rank, eps,
+    WORLD: tl.constexpr, BD: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """A CTA a row: the row's partial all-reduced (WORLD 1: as it is), added to the residual
+    (one rounding), then RMSNorm'd over the whole row it holds — all_reduce_norm_ref's
+    roundings: the sum, the residual, the normalized row, the weight product."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BD)
+    mask = cols < D
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # before the wait
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if WORLD > 1:
+        step = tl.load(step_ptr)
+        slot = step % 3
+        offs = row * D + cols
+        y = exchange_sum(x, peers_ptr, rank, slot, offs, mask, slot_elems, WORLD)
+        y = _narrow(y, tl.bfloat16, INTERPRETER).to(tl.float32)
+    else:
+        y = x.to(tl.float32)
+    res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+    r = _narrow(y + res, tl.bfloat16, INTERPRETER)
+    tl.store(res_out_ptr + row * stride_res_out + cols, r, mask=mask)
+    rf = r.to(tl.float32)
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(rf * rf, axis=0) / D + eps)
+    normed = _narrow(rf * rstd, tl.bfloat16, INTERPRETER).to(tl.float32)
+    tl.store(normed_ptr + row * stride_normed + cols, _narrow(w * normed, tl.bfloat16, INTERPRETER),
+             mask=mask)  # fmt: skip
+    if WORLD > 1:
+        clear_read(peers_ptr, rank, slot, offs, mask, slot_elems, WORLD)
+        next_step(step_ptr, arrive_ptr, step)

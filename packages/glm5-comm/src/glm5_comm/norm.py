@@ -1,0 +1,68 @@
+"""`AllReduceNorm`: the MTP layer's boundaries (no mHC) in one launch — a TP-partial sublayer
+output all-reduced through the mailboxes, added to the residual, RMSNorm'd — equal to
+`all_reduce_norm_ref` (the residual bit for bit; the normed row within a BF16 rounding: the
+kernel's 1/sqrt and the row sum's order differ from torch's). A CTA holds a whole row, so the
+norm needs no second pass. World size 1: the add and the norm, no exchange."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from glm5_comm.allreduce import Mailbox
+from glm5_kernels.gemm.linear import _capturing, _interpreting, _pdl
+
+__all__ = ["AllReduceNorm"]
+
+
+class AllReduceNorm:
+    def __init__(self, mailbox: Mailbox, norm_weight: Tensor, eps: float):
+        if tuple(norm_weight.shape) != (mailbox.hidden,):
+            raise ValueError(f"AllReduceNorm: norm_weight {tuple(norm_weight.shape)}, expected "
+                             f"[{mailbox.hidden}]")  # fmt: skip
+        self.mailbox, self.weight, self.eps = mailbox, norm_weight, float(eps)
+        self._interp, self._pdl = _interpreting(), _pdl(mailbox.peers.device)
+        from glm5_comm.triton_exchange import all_reduce_norm_kernel  # Triton: an extra
+
+        self._kernel = all_reduce_norm_kernel
+        self._ready = False
+
+    def supports(self, m: int) -> bool:
+        return 1 <= m <= self.mailbox.max_tokens
+
+    def prepare(self, tokens=None) -> None:
+        """Compile before CUDA-graph capture: one call on zeros (every rank alike)."""
+        z = torch.zeros(1, self.mailbox.hidden, dtype=torch.bfloat16,
+                        device=self.mailbox.peers.device)  # fmt: skip
+        self(z, z.clone())
+        self._ready = True
+
+    def __call__(self, partial: Tensor, residual: Tensor, *, out=None) -> tuple[Tensor, Tensor]:
+        """partial, residual [M, hidden] BF16 -> (residual', normed), each [M, hidden] BF16
+        (`out`: the two, to write into)."""
+        mb, d = self.mailbox, self.mailbox.hidden
+        m = partial.shape[0] if partial.dim() == 2 else -1
+        problems = []
+        named = [("partial", partial), ("residual", residual)]
+        if out is not None:
+            named += [("out[0]", out[0]), ("out[1]", out[1])]
+        for name, x in named:
+            if x.dim() != 2 or tuple(x.shape) != (m, d) or x.dtype != torch.bfloat16 \
+                    or x.stride(1) != 1:  # fmt: skip
+                problems.append(f"{name}: {tuple(x.shape)} {x.dtype}, expected [M, {d}] bfloat16")
+        if not problems and not self.supports(m):
+            problems.append(f"M={m} rows, outside 1..{mb.max_tokens} (the mailbox's max_tokens)")
+        if problems:
+            raise ValueError("AllReduceNorm: " + "; ".join(problems))
+        if not self._ready and _capturing():
+            raise RuntimeError("AllReduceNorm: not prepared before CUDA-graph capture")
+        res_out, normed = out if out is not None else (torch.empty_like(residual),
+                                                       torch.empty_like(residual))  # fmt: skip
+        self._kernel[(m,)](
+            partial, residual, res_out, normed, self.weight, mb.peers, mb.step, mb.arrive,
+            m, d, partial.stride(0), residual.stride(0), res_out.stride(0), normed.stride(0),
+            mb.max_tokens * d, mb.rank, self.eps,
+            WORLD=mb.world, BD=1 << (d - 1).bit_length(), INTERPRETER=self._interp,
+            PDL=self._pdl, num_warps=8, launch_pdl=self._pdl,
+        )  # fmt: skip
+        return res_out, normed
