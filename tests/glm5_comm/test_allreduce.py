@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from glm5_comm import AllReduce, AllReduceBoundary, AllReduceNorm, Mailbox
-from glm5_comm.allreduce import SENTINEL
+from glm5_comm import AllReduce, AllReduceBoundary, AllReduceNorm, LogitsGather, Mailbox
+from glm5_comm.allreduce import SENTINEL, SENTINEL32
 from glm5_kernels.mhc import MhcBoundary, hc_fused_post_pre_ref, hc_head_ref, hc_post_ref
 from glm5_kernels.norm import rms_norm_ref
 
@@ -68,10 +68,10 @@ def _worker(rank: int, buffers: list, failures) -> None:
         raise
 
 
-def _spawn(worker, world: int) -> None:
+def _spawn(worker, world: int, dtype=torch.int16, sentinel=SENTINEL) -> None:
     """`worker(rank, buffers, failures)` in `world` processes sharing their mailboxes (every
     value the sentinel); fails with every rank's reason."""
-    buffers = [torch.full(Mailbox.shape(world, D, MAX_TOKENS), SENTINEL, dtype=torch.int16)
+    buffers = [torch.full(Mailbox.shape(world, D, MAX_TOKENS), sentinel, dtype=dtype)
                for _ in range(world)]  # fmt: skip
     for b in buffers:
         b.share_memory_()
@@ -155,6 +155,37 @@ def test_the_norm_above_the_summed_partials(world):
                                     dtype=torch.int16)], None)  # fmt: skip
     else:
         _spawn(_norm_worker, world)
+
+
+def _gather_worker(rank: int, buffers: list, failures) -> None:
+    torch.set_num_threads(1)
+    world = len(buffers)
+    try:
+        gather = LogitsGather(Mailbox.of_tensors(buffers, rank, D, MAX_TOKENS, torch.int32),
+                              block_cols=64)  # fmt: skip
+        for step, m in enumerate((2, 8, 1, 5)):
+            gen = torch.Generator().manual_seed(step)  # every rank draws every shard
+            shards = [torch.randn(m, D, generator=gen) * 10 for _ in range(world)]
+            shards[0][0, :3] = torch.tensor([float("-inf"), -0.0, float("nan")])
+            shards[-1][-1, -1] = torch.tensor(SENTINEL32, dtype=torch.int32).view(torch.float32)
+            out = torch.full((m, world * D), 7.0)
+            got = gather(shards[rank], out=out)
+            want = torch.cat(shards, dim=-1)
+            assert got is out and torch.equal(got.isnan(), want.isnan()), (rank, step)
+            ok = ~want.isnan()
+            assert torch.equal(got[ok].view(torch.int32), want[ok].view(torch.int32)), (rank, step)
+        peers = [p for p in range(world) if p != rank]
+        assert (buffers[rank][:, peers] == SENTINEL32).all(), rank
+    except BaseException as e:
+        failures.put(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_holds_the_full_logits(world):
+    """LogitsGather: every rank's vocab shard in its columns of every rank's rows, bit for bit
+    (inf, -0.0 and NaNs included; the sentinel's own NaN bits arrive as a NaN)."""
+    _spawn(_gather_worker, world, torch.int32, SENTINEL32)
 
 
 def test_world_size_one_is_the_identity_and_bad_input_is_one_error():

@@ -2,7 +2,7 @@
 memory; multicast stays off): every rank's rows equal `all_reduce_ref` (NCCL gather, FP32
 rank-order sum) bit for bit over consecutive calls of sizes 1..64, eager and as a CUDA graph
 replayed with fresh inputs, into NaN-poisoned outputs; `AllReduceNorm` on the same
-mailbox."""
+mailbox; `LogitsGather` of FP32 vocab shards."""
 
 import os
 import socket
@@ -12,7 +12,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from glm5_comm import AllReduce, AllReduceNorm, Mailbox, all_reduce_norm_ref, all_reduce_ref
+from glm5_comm import (
+    AllReduce,
+    AllReduceNorm,
+    LogitsGather,
+    Mailbox,
+    all_reduce_norm_ref,
+    all_reduce_ref,
+    logits_gather_ref,
+)
 
 pytestmark = pytest.mark.multi_gpu
 
@@ -54,6 +62,12 @@ def _worker(rank: int, world: int, port: int, failures) -> None:
             want_res, want = all_reduce_norm_ref(x, residual, weight, 1e-5)
             assert torch.equal(got_res, want_res), (rank, "norm", m)
             assert ((got.float() - want.float()).abs() <= 2**-7 * want.float().abs()).all()
+        # The logits gather (a TP-4 rank's vocab shard of 154880 / 4, FP32).
+        gather = LogitsGather(Mailbox.symmetric(38720, 64, dtype=torch.int32))
+        gather.prepare()
+        for m in (1, 9, 64):
+            shard = torch.randn(m, 38720, generator=gen, device="cuda")
+            assert torch.equal(gather(shard), logits_gather_ref(shard)), (rank, "gather", m)
     except BaseException as e:
         failures.put(f"rank {rank}: {type(e).__name__}: {e}")
         raise

@@ -1,7 +1,8 @@
 """glm5-comm's Triton kernels compile for SM90 (Hopper) and SM100 (Blackwell) on this CPU
 with the launch options their ops use: the all-reduce at world sizes 2, 4 and 8 (the PTX
 polls with volatile loads, hands the step on through an atomic and waits with PDL), the
-all-reduce + norm at 1 (no exchange), 2 and 8, a row of 4096 a CTA without spills. Under
+all-reduce + norm at 1 (no exchange), 2 and 8, a row of 4096 a CTA without spills; the
+logits gather at 2 and 8. Under
 TRITON_INTERPRET=1 kernels cannot compile, so the cases run in a child without it."""
 
 import os
@@ -41,6 +42,16 @@ for world in (1, 2, 8):
     assert "griddepcontrol.wait" in ptx and "st.local" not in ptx, world
     assert ("ld.volatile" in ptx) == (world > 1), world
     n += 1
+from glm5_comm.triton_exchange import logits_gather_kernel as gather
+types = {{"x_ptr": "*fp32", "out_ptr": "*fp32", "peers_ptr": "*i64", "step_ptr": "*i32",
+         "arrive_ptr": "*i32"}}
+types |= {{n: "i32" for n in ("M", "S", "stride_x", "stride_out", "slot_elems", "rank")}}
+for world in (2, 8):
+    consts = {{"WORLD": world, "BM": 16, "BS": 1024, "PDL": True}}
+    ptx = _compile(gather, types, consts, arch, num_warps=4)
+    for needed in ("ld.volatile", "atom", "griddepcontrol.wait"):
+        assert needed in ptx, (world, needed)
+    n += 1
 print(f"sm{{arch}}: compiled {{n}} exchange kernels")
 """
 
@@ -52,4 +63,4 @@ def test_exchange_compiles(arch):
     code = CASES.format(kernels_tests=kernels_tests, arch=arch)
     child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert child.returncode == 0, child.stderr[-4000:]
-    assert f"sm{arch}: compiled 6 exchange kernels" in child.stdout
+    assert f"sm{arch}: compiled 8 exchange kernels" in child.stdout

@@ -24,16 +24,20 @@ from torch import Tensor
 
 from glm5_kernels.gemm.linear import _capturing, _interpreting, _pdl
 
-__all__ = ["SENTINEL", "AllReduce", "Mailbox"]
+__all__ = ["SENTINEL", "SENTINEL32", "AllReduce", "Mailbox"]
 
-SENTINEL = -32768  # 0x8000, BF16 -0.0: a mailbox value not yet written
+SENTINEL = -32768  # 0x8000, BF16 -0.0: a mailbox value not yet written (BF16 rows)
+SENTINEL32 = -1  # 0xFFFFFFFF, a NaN no arithmetic makes: the same for FP32 rows (logits)
+SENTINELS = {torch.int16: SENTINEL, torch.int32: SENTINEL32}
 
 
 @dataclass
 class Mailbox:
     """This rank's handle on the ranks' mailboxes: `peers` [world] int64, every rank's buffer
     address in this process; `step` / `arrive` [1] int32, this rank's counters (the step
-    picks the slot; every rank steps alike). `buffers`: what keeps the memory alive."""
+    picks the slot; every rank steps alike); `dtype`: the values' bits, int16 for BF16 rows
+    (the all-reduces), int32 for FP32 rows (the logits gather). `buffers`: what keeps the
+    memory alive."""
 
     rank: int
     world: int
@@ -43,6 +47,7 @@ class Mailbox:
     step: Tensor
     arrive: Tensor
     buffers: list = field(default_factory=list, repr=False)
+    dtype: torch.dtype = torch.int16
 
     @staticmethod
     def shape(world: int, hidden: int, max_tokens: int) -> tuple[int, int, int]:
@@ -50,15 +55,15 @@ class Mailbox:
         return (3, world, max_tokens * hidden)
 
     @classmethod
-    def of_tensors(cls, buffers: list[Tensor], rank: int, hidden: int,
-                   max_tokens: int) -> Mailbox:  # fmt: skip
-        """Every rank's buffer (int16, `shape(...)`, the sentinel throughout), as tensors of
-        this process whose addresses every rank's kernel may use."""
+    def of_tensors(cls, buffers: list[Tensor], rank: int, hidden: int, max_tokens: int,
+                   dtype: torch.dtype = torch.int16) -> Mailbox:  # fmt: skip
+        """Every rank's buffer (`dtype`, `shape(...)`, the sentinel throughout), as tensors
+        of this process whose addresses every rank's kernel may use."""
         world = len(buffers)
         want = cls.shape(world, hidden, max_tokens)
-        problems = [f"buffer {r}: {tuple(b.shape)} {b.dtype}, expected {want} int16 contiguous"
-                    for r, b in enumerate(buffers)
-                    if tuple(b.shape) != want or b.dtype != torch.int16
+        problems = [f"buffer {r}: {tuple(b.shape)} {b.dtype}, expected {want} {dtype} "
+                    "contiguous" for r, b in enumerate(buffers)
+                    if tuple(b.shape) != want or b.dtype != dtype
                     or not b.is_contiguous()]  # fmt: skip
         if not 0 <= rank < world:
             problems.append(f"rank {rank} outside 0..{world - 1}")
@@ -68,10 +73,11 @@ class Mailbox:
         peers = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
         counters = torch.zeros(2, dtype=torch.int32, device=device)
         return cls(rank, world, hidden, max_tokens, peers, counters[:1], counters[1:],
-                   list(buffers))  # fmt: skip
+                   list(buffers), dtype)  # fmt: skip
 
     @classmethod
-    def symmetric(cls, hidden: int, max_tokens: int, group=None, device=None) -> Mailbox:
+    def symmetric(cls, hidden: int, max_tokens: int, group=None, device=None,
+                  dtype: torch.dtype = torch.int16) -> Mailbox:  # fmt: skip
         """The mailboxes on torch symmetric memory over `group` (default: the world), filled
         with the sentinel, every rank past a barrier before the first exchange."""
         import torch.distributed._symmetric_memory as symm_mem
@@ -79,22 +85,24 @@ class Mailbox:
         group = group or dist.group.WORLD
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         device = device or torch.device("cuda", torch.cuda.current_device())
-        buffer = symm_mem.empty(cls.shape(world, hidden, max_tokens), dtype=torch.int16,
+        buffer = symm_mem.empty(cls.shape(world, hidden, max_tokens), dtype=dtype,
                                 device=device)  # fmt: skip
-        buffer.fill_(SENTINEL)
+        buffer.fill_(SENTINELS[dtype])
         handle = symm_mem.rendezvous(buffer, group.group_name)
         peers = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
         counters = torch.zeros(2, dtype=torch.int32, device=device)
         torch.cuda.synchronize(device)
         dist.barrier(group)
         return cls(rank, world, hidden, max_tokens, peers, counters[:1], counters[1:],
-                   [buffer, handle])  # fmt: skip
+                   [buffer, handle], dtype)  # fmt: skip
 
 
 class AllReduce:
     """The one-shot all-reduce of [M, hidden] BF16 rows, M <= the mailbox's max_tokens."""
 
     def __init__(self, mailbox: Mailbox, *, block_rows: int = 16, block_cols: int = 512):
+        if mailbox.dtype != torch.int16:
+            raise ValueError(f"AllReduce: a mailbox of {mailbox.dtype}, BF16 rows need int16")
         self.mailbox = mailbox
         self.bm, self.bd = block_rows, min(block_cols, 1 << (mailbox.hidden - 1).bit_length())
         self._interp = _interpreting()

@@ -24,9 +24,11 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from glm5_comm.allreduce import SENTINEL as _SENTINEL
+from glm5_comm.allreduce import SENTINEL32 as _SENTINEL32
 from glm5_kernels.gemm.triton_skinny import _narrow
 
 SENTINEL = tl.constexpr(_SENTINEL)  # 0x8000: BF16 -0.0, a value not yet written
+SENTINEL32 = tl.constexpr(_SENTINEL32)  # 0xFFFFFFFF: FP32 rows' (a NaN no arithmetic makes)
 
 
 @triton.jit
@@ -136,3 +138,47 @@ def all_reduce_norm_kernel(
     if WORLD > 1:
         clear_read(peers_ptr, rank, slot, offs, mask, slot_elems, WORLD)
         next_step(step_ptr, arrive_ptr, step)
+
+
+@triton.jit
+def logits_gather_kernel(
+    x_ptr, out_ptr, peers_ptr, step_ptr, arrive_ptr,
+    M, S, stride_x, stride_out, slot_elems, rank,
+    WORLD: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Vocab-sharded FP32 logits gathered into full rows: a CTA's tile of this rank's shard
+    (BM rows x BS columns) pushed to every peer's mailbox (a 0xFFFFFFFF NaN sent as the
+    canonical one) and written to its own columns of the full rows; each peer's tile polled
+    until no value is the sentinel, written to that peer's columns, and cleared."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BS + tl.arange(0, BS)
+    mask = (rows[:, None] < M) & (cols[None, :] < S)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    step = tl.load(step_ptr)
+    slot = step % 3
+    offs = rows[:, None] * S + cols[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    bits = x.to(tl.int32, bitcast=True)
+    sent = tl.where(bits == SENTINEL32, 0x7FC00000, bits)
+    for p in tl.static_range(WORLD):
+        if p != rank:
+            peer = tl.load(peers_ptr + p).to(tl.pointer_type(tl.int32))
+            tl.store(peer + (slot * WORLD + rank) * slot_elems + offs, sent, mask=mask)
+    at_out = out_ptr + rows[:, None] * stride_out + cols[None, :]
+    tl.store(at_out + rank * S, x, mask=mask)
+    own = tl.load(peers_ptr + rank).to(tl.pointer_type(tl.int32))
+    for p in tl.static_range(WORLD):
+        if p != rank:
+            at = own + (slot * WORLD + p) * slot_elems + offs
+            v = tl.load(at, mask=mask, other=0, volatile=True)
+            while tl.max(tl.where(mask & (v == SENTINEL32), 1, 0)) > 0:
+                v = tl.load(at, mask=mask, other=0, volatile=True)
+            tl.store(at_out + p * S, v.to(tl.float32, bitcast=True), mask=mask)
+    tl.debug_barrier()  # replicas have read their values before any is cleared
+    blank = tl.full(offs.shape, SENTINEL32, tl.int32)
+    for p in tl.static_range(WORLD):
+        if p != rank:
+            tl.store(own + (slot * WORLD + p) * slot_elems + offs, blank, mask=mask)
+    next_step(step_ptr, arrive_ptr, step)
