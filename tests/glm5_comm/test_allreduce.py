@@ -15,7 +15,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from glm5_comm import AllReduce, AllReduceBoundary, AllReduceNorm, LogitsGather, Mailbox
+from glm5_comm import (
+    AllReduce,
+    AllReduceBoundary,
+    AllReduceNorm,
+    EmbedNorm,
+    LogitsGather,
+    Mailbox,
+)
 from glm5_comm.allreduce import SENTINEL, SENTINEL32
 from glm5_kernels.mhc import MhcBoundary, hc_fused_post_pre_ref, hc_head_ref, hc_post_ref
 from glm5_kernels.norm import rms_norm_ref
@@ -144,6 +151,44 @@ def _norm_worker(rank: int, buffers: list, failures) -> None:
         if failures is not None:  # None: this process, world size 1
             failures.put(f"rank {rank}: {type(e).__name__}: {e}")
         raise
+
+
+def _embed_worker(rank: int, buffers: list, failures) -> None:
+    torch.set_num_threads(1)
+    world = len(buffers)
+    try:
+        gen = torch.Generator().manual_seed(9)  # the same on every rank
+        ew, hw = ((1 + 0.1 * torch.randn(D, generator=gen)).bfloat16() for _ in range(2))
+        op = EmbedNorm(Mailbox.of_tensors(buffers, rank, D, MAX_TOKENS), ew, hw, 1e-5)
+        vocab = 4 * world
+        table = torch.randn(vocab, D, generator=gen).bfloat16()
+        for step, m in enumerate((3, 1, 6)):
+            ids = torch.randint(0, vocab, (m,), generator=gen)
+            positions = torch.randint(0, 5, (m,), generator=gen)
+            positions[0] = 0  # the first position's embedding is zeroed
+            hidden = torch.randn(m, D, generator=gen).bfloat16()
+            shard = vocab // world  # vocab-parallel: each row lives on one rank
+            part = table[ids] * ((ids // shard) == rank)[:, None].bfloat16()
+            got = op(part, positions, hidden)
+            embedded = table[ids] * (positions != 0)[:, None].bfloat16()
+            assert_normed(got[:, :D], rms_norm_ref(embedded, ew, 1e-5))
+            assert_normed(got[:, D:], rms_norm_ref(hidden, hw, 1e-5))
+            assert (got[0, :D] == 0).all(), (rank, step)
+    except BaseException as e:
+        if failures is not None:  # None: this process, world size 1
+            failures.put(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_mtp_input_above_the_embedding_partials(world):
+    """EmbedNorm: the vocab-parallel embedding's rows summed (exact), zeroed at position 0
+    and enorm'd, beside hnorm(hidden), within the norm's roundings of embed_norm_ref's."""
+    if world == 1:
+        _embed_worker(0, [torch.full(Mailbox.shape(1, D, MAX_TOKENS), SENTINEL,
+                                     dtype=torch.int16)], None)  # fmt: skip
+    else:
+        _spawn(_embed_worker, world)
 
 
 @pytest.mark.parametrize("world", [1, 2])

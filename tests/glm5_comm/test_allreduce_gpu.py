@@ -2,7 +2,7 @@
 memory; multicast stays off): every rank's rows equal `all_reduce_ref` (NCCL gather, FP32
 rank-order sum) bit for bit over consecutive calls of sizes 1..64, eager and as a CUDA graph
 replayed with fresh inputs, into NaN-poisoned outputs; `AllReduceNorm` on the same
-mailbox; `LogitsGather` of FP32 vocab shards."""
+mailbox, `EmbedNorm`; `LogitsGather` of FP32 vocab shards."""
 
 import os
 import socket
@@ -15,10 +15,12 @@ import torch.multiprocessing as mp
 from glm5_comm import (
     AllReduce,
     AllReduceNorm,
+    EmbedNorm,
     LogitsGather,
     Mailbox,
     all_reduce_norm_ref,
     all_reduce_ref,
+    embed_norm_ref,
     logits_gather_ref,
 )
 
@@ -62,6 +64,15 @@ def _worker(rank: int, world: int, port: int, failures) -> None:
             want_res, want = all_reduce_norm_ref(x, residual, weight, 1e-5)
             assert torch.equal(got_res, want_res), (rank, "norm", m)
             assert ((got.float() - want.float()).abs() <= 2**-7 * want.float().abs()).all()
+        # The MTP eh_proj input: a vocab-parallel embedding's rows (one rank holds each).
+        embed = EmbedNorm(reduce.mailbox, weight, weight, 1e-5)
+        embed.prepare()
+        x = torch.randn(5, D, generator=gen, device="cuda").bfloat16() * (rank == 0)
+        positions = torch.arange(5, device="cuda")
+        hidden = torch.randn(5, D, generator=gen, device="cuda").bfloat16()
+        got = embed(x, positions, hidden)
+        want = embed_norm_ref(x, positions, hidden, weight, weight, 1e-5)
+        assert ((got.float() - want.float()).abs() <= 2**-7 * want.float().abs()).all()
         # The logits gather (a TP-4 rank's vocab shard of 154880 / 4, FP32).
         gather = LogitsGather(Mailbox.symmetric(38720, 64, dtype=torch.int32))
         gather.prepare()

@@ -2,7 +2,7 @@
 with the launch options their ops use: the all-reduce at world sizes 2, 4 and 8 (the PTX
 polls with volatile loads, hands the step on through an atomic and waits with PDL), the
 all-reduce + norm at 1 (no exchange), 2 and 8, a row of 4096 a CTA without spills; the
-logits gather at 2 and 8. Under
+MTP input (embedding all-reduce + enorm | hnorm) at 1 and 2; the logits gather at 2 and 8. Under
 TRITON_INTERPRET=1 kernels cannot compile, so the cases run in a child without it."""
 
 import os
@@ -42,6 +42,18 @@ for world in (1, 2, 8):
     assert "griddepcontrol.wait" in ptx and "st.local" not in ptx, world
     assert ("ld.volatile" in ptx) == (world > 1), world
     n += 1
+from glm5_comm.triton_exchange import embed_norm_kernel as embed
+types = {{n: "*bf16" for n in ("x_ptr", "hidden_ptr", "out_ptr", "ew_ptr", "hw_ptr")}}
+types |= {{"pos_ptr": "*i64", "peers_ptr": "*i64", "step_ptr": "*i32", "arrive_ptr": "*i32",
+          "eps": "fp32"}}
+types |= {{n: "i32" for n in ("M", "D", "stride_x", "stride_h", "stride_out", "slot_elems",
+                              "rank")}}
+for world in (1, 2):
+    consts = {{"WORLD": world, "BD": 4096, "INTERPRETER": False, "PDL": True}}
+    ptx = _compile(embed, types, consts, arch, num_warps=8)
+    assert "griddepcontrol.wait" in ptx and "st.local" not in ptx, world
+    n += 1
+
 from glm5_comm.triton_exchange import logits_gather_kernel as gather
 types = {{"x_ptr": "*fp32", "out_ptr": "*fp32", "peers_ptr": "*i64", "step_ptr": "*i32",
          "arrive_ptr": "*i32"}}
@@ -63,4 +75,4 @@ def test_exchange_compiles(arch):
     code = CASES.format(kernels_tests=kernels_tests, arch=arch)
     child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert child.returncode == 0, child.stderr[-4000:]
-    assert f"sm{arch}: compiled 8 exchange kernels" in child.stdout
+    assert f"sm{arch}: compiled 10 exchange kernels" in child.stdout

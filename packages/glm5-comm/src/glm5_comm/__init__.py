@@ -3,13 +3,14 @@ boundary, residual + RMSNorm and the embedding; the logits all-gather. Each has 
 torch.distributed reference and a world-size-1 path. Today: the references
 (`glm5_comm.reference`), the one-shot all-reduce (`AllReduce` over a `Mailbox`), the
 all-reduce + mHC boundary (`AllReduceBoundary`, two launches) and the all-reduce + residual +
-RMSNorm (`AllReduceNorm`, one launch) and the logits gather (`LogitsGather`, one launch),
+RMSNorm (`AllReduceNorm`, one launch), the MTP eh_proj input (`EmbedNorm`, one launch) and
+the logits gather (`LogitsGather`, one launch),
 CPU-checked under the Triton interpreter, not yet run on GPUs."""
 
 from glm5_comm.allreduce import AllReduce, Mailbox
 from glm5_comm.boundary import AllReduceBoundary
 from glm5_comm.gather import LogitsGather
-from glm5_comm.norm import AllReduceNorm
+from glm5_comm.norm import AllReduceNorm, EmbedNorm
 from glm5_comm.reference import (
     all_reduce_boundary_ref,
     all_reduce_head_ref,
@@ -26,6 +27,7 @@ __all__ = [
     "AllReduce",
     "AllReduceBoundary",
     "AllReduceNorm",
+    "EmbedNorm",
     "LogitsGather",
     "Mailbox",
     "all_reduce_boundary_ref",

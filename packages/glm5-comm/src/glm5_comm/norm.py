@@ -1,8 +1,11 @@
-"""`AllReduceNorm`: the MTP layer's boundaries (no mHC) in one launch — a TP-partial sublayer
-output all-reduced through the mailboxes, added to the residual, RMSNorm'd — equal to
-`all_reduce_norm_ref` (the residual bit for bit; the normed row within a BF16 rounding: the
-kernel's 1/sqrt and the row sum's order differ from torch's). A CTA holds a whole row, so the
-norm needs no second pass. World size 1: the add and the norm, no exchange."""
+"""The MTP layer's all-reduces with the norms above them, each one launch, a CTA a whole row
+(the norm needs no second pass); world size 1: the norms, no exchange.
+
+`AllReduceNorm`: a TP-partial sublayer output all-reduced through the mailboxes, added to the
+residual, RMSNorm'd — `all_reduce_norm_ref` (the residual bit for bit; the normed row within
+a BF16 rounding: the kernel's 1/sqrt and the row sum's order differ from torch's).
+`EmbedNorm`: the vocab-parallel embedding's partial rows all-reduced, zeroed at position 0,
+enorm'd, beside hnorm(hidden) — `embed_norm_ref`, the MTP eh_proj input."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from torch import Tensor
 from glm5_comm.allreduce import Mailbox
 from glm5_kernels.gemm.linear import _capturing, _interpreting, _pdl
 
-__all__ = ["AllReduceNorm"]
+__all__ = ["AllReduceNorm", "EmbedNorm"]
 
 
 class AllReduceNorm:
@@ -66,3 +69,57 @@ class AllReduceNorm:
             PDL=self._pdl, num_warps=8, launch_pdl=self._pdl,
         )  # fmt: skip
         return res_out, normed
+
+
+class EmbedNorm:
+    def __init__(self, mailbox: Mailbox, enorm_weight: Tensor, hnorm_weight: Tensor, eps: float):
+        d = mailbox.hidden
+        if tuple(enorm_weight.shape) != (d,) or tuple(hnorm_weight.shape) != (d,):
+            raise ValueError(f"EmbedNorm: norm weights {tuple(enorm_weight.shape)} / "
+                             f"{tuple(hnorm_weight.shape)}, expected [{d}]")  # fmt: skip
+        self.mailbox, self.eps = mailbox, float(eps)
+        self.enorm, self.hnorm = enorm_weight, hnorm_weight
+        self._interp, self._pdl = _interpreting(), _pdl(mailbox.peers.device)
+        from glm5_comm.triton_exchange import embed_norm_kernel  # Triton: an extra
+
+        self._kernel = embed_norm_kernel
+        self._ready = False
+
+    def supports(self, m: int) -> bool:
+        return 1 <= m <= self.mailbox.max_tokens
+
+    def prepare(self, tokens=None) -> None:
+        """Compile before CUDA-graph capture: one call on zeros (every rank alike)."""
+        dev = self.mailbox.peers.device
+        z = torch.zeros(1, self.mailbox.hidden, dtype=torch.bfloat16, device=dev)
+        self(z, torch.zeros(1, dtype=torch.int64, device=dev), z.clone())
+        self._ready = True
+
+    def __call__(self, embed_partial: Tensor, positions: Tensor, hidden: Tensor) -> Tensor:
+        """embed_partial, hidden [M, hidden] BF16, positions [M] int -> [M, 2 * hidden] BF16:
+        enorm(embedding, 0 at position 0) | hnorm(hidden)."""
+        mb, d = self.mailbox, self.mailbox.hidden
+        m = embed_partial.shape[0] if embed_partial.dim() == 2 else -1
+        problems = []
+        for name, x in (("embed_partial", embed_partial), ("hidden", hidden)):
+            if x.dim() != 2 or tuple(x.shape) != (m, d) or x.dtype != torch.bfloat16 \
+                    or x.stride(1) != 1:  # fmt: skip
+                problems.append(f"{name}: {tuple(x.shape)} {x.dtype}, expected [M, {d}] bfloat16")
+        if tuple(positions.shape) != (m,) or positions.dtype not in (torch.int32, torch.int64):
+            problems.append(f"positions: {tuple(positions.shape)} {positions.dtype}, expected "
+                            f"[{m}] int")  # fmt: skip
+        if not problems and not self.supports(m):
+            problems.append(f"M={m} rows, outside 1..{mb.max_tokens} (the mailbox's max_tokens)")
+        if problems:
+            raise ValueError("EmbedNorm: " + "; ".join(problems))
+        if not self._ready and _capturing():
+            raise RuntimeError("EmbedNorm: not prepared before CUDA-graph capture")
+        out = torch.empty(m, 2 * d, dtype=torch.bfloat16, device=hidden.device)
+        self._kernel[(m,)](
+            embed_partial, positions.contiguous(), hidden, out, self.enorm, self.hnorm,
+            mb.peers, mb.step, mb.arrive, m, d, embed_partial.stride(0), hidden.stride(0),
+            out.stride(0), mb.max_tokens * d, mb.rank, self.eps,
+            WORLD=mb.world, BD=1 << (d - 1).bit_length(), INTERPRETER=self._interp,
+            PDL=self._pdl, num_warps=8, launch_pdl=self._pdl,
+        )  # fmt: skip
+        return out

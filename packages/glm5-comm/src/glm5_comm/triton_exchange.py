@@ -103,6 +103,15 @@ def one_shot_all_reduce_kernel(
 
 
 @triton.jit
+def _rms_norm_row(x, w, D, eps, INTERPRETER: tl.constexpr):
+    """rms_norm_ref of one row held whole (FP32 values of BF16 x, FP32 weight): normalized,
+    rounded to BF16, times the weight, rounded."""
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
+    normed = _narrow(x * rstd, tl.bfloat16, INTERPRETER).to(tl.float32)
+    return _narrow(w * normed, tl.bfloat16, INTERPRETER)
+
+
+@triton.jit
 def all_reduce_norm_kernel(
     x_ptr, res_ptr, res_out_ptr, normed_ptr, w_ptr, peers_ptr, step_ptr, arrive_ptr,
     M, D, stride_x, stride_res, stride_res_out, stride_normed, slot_elems, rank, eps,
@@ -130,11 +139,8 @@ def all_reduce_norm_kernel(
     res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
     r = _narrow(y + res, tl.bfloat16, INTERPRETER)
     tl.store(res_out_ptr + row * stride_res_out + cols, r, mask=mask)
-    rf = r.to(tl.float32)
-    rstd = 1.0 / tl.sqrt_rn(tl.sum(rf * rf, axis=0) / D + eps)
-    normed = _narrow(rf * rstd, tl.bfloat16, INTERPRETER).to(tl.float32)
-    tl.store(normed_ptr + row * stride_normed + cols, _narrow(w * normed, tl.bfloat16, INTERPRETER),
-             mask=mask)  # fmt: skip
+    normed = _rms_norm_row(r.to(tl.float32), w, D, eps, INTERPRETER)
+    tl.store(normed_ptr + row * stride_normed + cols, normed, mask=mask)
     if WORLD > 1:
         clear_read(peers_ptr, rank, slot, offs, mask, slot_elems, WORLD)
         next_step(step_ptr, arrive_ptr, step)
@@ -182,3 +188,40 @@ def logits_gather_kernel(
         if p != rank:
             tl.store(own + (slot * WORLD + p) * slot_elems + offs, blank, mask=mask)
     next_step(step_ptr, arrive_ptr, step)
+
+
+@triton.jit
+def embed_norm_kernel(
+    x_ptr, pos_ptr, hidden_ptr, out_ptr, ew_ptr, hw_ptr, peers_ptr, step_ptr, arrive_ptr,
+    M, D, stride_x, stride_h, stride_out, slot_elems, rank, eps,
+    WORLD: tl.constexpr, BD: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """The MTP eh_proj input, a CTA a row: the vocab-parallel embedding's partial row
+    all-reduced (exact: one rank holds it), zeroed at position 0 and enorm'd, beside
+    hnorm(hidden) — embed_norm_ref's roundings."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BD)
+    mask = cols < D
+    ew = tl.load(ew_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # before the wait
+    hw = tl.load(hw_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if WORLD > 1:
+        step = tl.load(step_ptr)
+        slot = step % 3
+        offs = row * D + cols
+        y = exchange_sum(x, peers_ptr, rank, slot, offs, mask, slot_elems, WORLD)
+        y = _narrow(y, tl.bfloat16, INTERPRETER).to(tl.float32)
+    else:
+        y = x.to(tl.float32)
+    y = tl.where(tl.load(pos_ptr + row) != 0, y, 0.0)
+    tl.store(out_ptr + row * stride_out + cols, _rms_norm_row(y, ew, D, eps, INTERPRETER),
+             mask=mask)  # fmt: skip
+    h = tl.load(hidden_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + D + cols, _rms_norm_row(h, hw, D, eps, INTERPRETER),
+             mask=mask)  # fmt: skip
+    if WORLD > 1:
+        clear_read(peers_ptr, rank, slot, offs, mask, slot_elems, WORLD)
+        next_step(step_ptr, arrive_ptr, step)
