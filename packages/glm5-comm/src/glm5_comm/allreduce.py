@@ -22,13 +22,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from glm5_kernels.exchange import SENTINEL, SENTINEL32
 from glm5_kernels.gemm.linear import _capturing, _interpreting, _pdl
 
 __all__ = ["SENTINEL", "SENTINEL32", "AllReduce", "Mailbox"]
 
-SENTINEL = -32768  # 0x8000, BF16 -0.0: a mailbox value not yet written (BF16 rows)
-SENTINEL32 = -1  # 0xFFFFFFFF, a NaN no arithmetic makes: the same for FP32 rows (logits)
-SENTINELS = {torch.int16: SENTINEL, torch.int32: SENTINEL32}
+SENTINELS = {torch.int16: SENTINEL, torch.int32: SENTINEL32}  # a value not yet written
 
 
 @dataclass

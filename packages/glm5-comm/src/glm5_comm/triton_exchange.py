@@ -1,81 +1,22 @@
-"""Triton kernel of the one-shot all-reduce over peer mailboxes (Lamport-style: the data is
-the flag).
+"""glm5-comm's Triton kernels over the peer mailboxes (the exchange's device functions and
+its protocol: glm5_kernels.exchange.triton_exchange): the one-shot all-reduce, the
+all-reduce + residual + RMSNorm and the MTP input (a CTA a whole row), the logits gather.
 
-Every rank owns a mailbox of 3 slots x WORLD sources x max_tokens * D BF16 values (held as
-their int16 bits), every value the sentinel 0x8000 (-0.0) until written. One call, a tile of
-BM rows x BD columns a CTA:
-
-1. push: the tile of this rank's partial to every peer's mailbox, at [slot, rank] (a -0.0
-   sent as +0.0, so no real value is ever the sentinel);
-2. gather: for each peer in rank order, poll the own mailbox's [slot, peer] tile until no
-   value is the sentinel, and add it in FP32 (the own partial from registers): every rank
-   sums the same values in the same order, so all hold bit-identical rows;
-3. clear the tile just read back to the sentinel (exactly the values this call received);
-4. the last CTA to arrive moves the step (slot = step % 3) on, and resets the arrival count.
-
-No barrier is needed between calls: a peer can be at most one step ahead (it needs this
-rank's push to finish its step), so it writes the next slot — cleared when this rank read it
-(2 slots would do; the third is margin) — never the one being read. No NCCL, no barrier on
-the hot path; capturable (the step lives on the device).
+The all-reduce, a tile of BM rows x BD columns a CTA: this rank's tile pushed to every peer
+and every rank's tile summed in rank order (`exchange_sum`), rounded once, stored; the tile
+read cleared back to the sentinel (`clear_read`); the call's last CTA moves the step on
+(`next_step`). No NCCL, no barrier on the hot path; capturable.
 """
 
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from glm5_comm.allreduce import SENTINEL as _SENTINEL
-from glm5_comm.allreduce import SENTINEL32 as _SENTINEL32
+from glm5_kernels.exchange import SENTINEL32 as _SENTINEL32
+from glm5_kernels.exchange.triton_exchange import clear_read, exchange_sum, next_step
 from glm5_kernels.gemm.triton_skinny import _narrow
 
-SENTINEL = tl.constexpr(_SENTINEL)  # 0x8000: BF16 -0.0, a value not yet written
 SENTINEL32 = tl.constexpr(_SENTINEL32)  # 0xFFFFFFFF: FP32 rows' (a NaN no arithmetic makes)
-
-
-@triton.jit
-def exchange_sum(x, peers_ptr, rank, slot, offs, mask, slot_elems,
-                 WORLD: tl.constexpr):  # fmt: skip
-    """This rank's BF16 tile x pushed to every peer's mailbox; the FP32 sum over ranks (in
-    rank order) of every rank's tile at the same offsets, once each has arrived."""
-    bits = x.to(tl.int16, bitcast=True)
-    sent = tl.where(bits == SENTINEL, 0, bits).to(tl.int16)  # -0.0 goes as +0.0
-    for p in tl.static_range(WORLD):
-        if p != rank:
-            peer = tl.load(peers_ptr + p).to(tl.pointer_type(tl.int16))
-            tl.store(peer + (slot * WORLD + rank) * slot_elems + offs, sent, mask=mask)
-    own = tl.load(peers_ptr + rank).to(tl.pointer_type(tl.int16))
-    acc = tl.zeros(x.shape, tl.float32)
-    for p in tl.static_range(WORLD):
-        if p == rank:
-            acc += x.to(tl.float32)
-        else:
-            at = own + (slot * WORLD + p) * slot_elems + offs
-            v = tl.load(at, mask=mask, other=0, volatile=True)
-            while tl.max(tl.where(mask & (v == SENTINEL), 1, 0)) > 0:
-                v = tl.load(at, mask=mask, other=0, volatile=True)
-            acc += v.to(tl.bfloat16, bitcast=True).to(tl.float32)
-    return acc
-
-
-@triton.jit
-def clear_read(peers_ptr, rank, slot, offs, mask, slot_elems, WORLD: tl.constexpr):
-    """The own mailbox's tile of this slot back to the sentinel, once read: no peer writes it
-    again before the slot comes round (a peer is at most one step ahead)."""
-    tl.debug_barrier()  # threads holding the same values (replicas) have all read them
-    own = tl.load(peers_ptr + rank).to(tl.pointer_type(tl.int16))
-    blank = tl.full(offs.shape, SENTINEL, tl.int16)
-    for p in tl.static_range(WORLD):
-        if p != rank:
-            tl.store(own + (slot * WORLD + p) * slot_elems + offs, blank, mask=mask)
-
-
-@triton.jit
-def next_step(step_ptr, arrive_ptr, step):
-    """The last CTA of the call to arrive moves the step on (every CTA read it already)."""
-    tl.debug_barrier()  # every thread's mailbox stores before the release
-    programs = tl.num_programs(0) * tl.num_programs(1)
-    if tl.atomic_add(arrive_ptr, 1, sem="acq_rel") == programs - 1:
-        tl.store(arrive_ptr, 0)
-        tl.store(step_ptr, step + 1)
 
 
 @triton.jit

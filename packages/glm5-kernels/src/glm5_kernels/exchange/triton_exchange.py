@@ -1,0 +1,66 @@
+"""Triton device functions of the peer-mailbox exchange (see the package docstring).
+
+Every rank owns a mailbox of 3 slots x WORLD sources x max_tokens * D values (BF16 rows as
+int16 bits), the sentinel until written. A call, per tile: `exchange_sum` pushes this rank's
+tile into every peer's mailbox at [slot, rank] and sums every rank's tile in rank order in
+FP32 (polling its own mailbox until no value is the sentinel: every rank sums the same
+values in the same order, so all hold bit-identical rows); `clear_read` puts the sentinel
+back over what was read; `next_step` lets the call's last CTA move the step (slot = step %
+3) on. A peer can be at most one step ahead (it needs this rank's push to finish its step),
+so it writes the next slot, cleared when this rank read it, never the one being read: no
+barrier between calls, capturable (the step lives on the device).
+"""
+
+import triton
+import triton.language as tl
+
+from glm5_kernels.exchange import SENTINEL as _SENTINEL
+
+SENTINEL = tl.constexpr(_SENTINEL)
+
+
+@triton.jit
+def exchange_sum(x, peers_ptr, rank, slot, offs, mask, slot_elems,
+                 WORLD: tl.constexpr):  # fmt: skip
+    """This rank's BF16 tile x pushed to every peer's mailbox; the FP32 sum over ranks (in
+    rank order) of every rank's tile at the same offsets, once each has arrived."""
+    bits = x.to(tl.int16, bitcast=True)
+    sent = tl.where(bits == SENTINEL, 0, bits).to(tl.int16)  # -0.0 goes as +0.0
+    for p in tl.static_range(WORLD):
+        if p != rank:
+            peer = tl.load(peers_ptr + p).to(tl.pointer_type(tl.int16))
+            tl.store(peer + (slot * WORLD + rank) * slot_elems + offs, sent, mask=mask)
+    own = tl.load(peers_ptr + rank).to(tl.pointer_type(tl.int16))
+    acc = tl.zeros(x.shape, tl.float32)
+    for p in tl.static_range(WORLD):
+        if p == rank:
+            acc += x.to(tl.float32)
+        else:
+            at = own + (slot * WORLD + p) * slot_elems + offs
+            v = tl.load(at, mask=mask, other=0, volatile=True)
+            while tl.max(tl.where(mask & (v == SENTINEL), 1, 0)) > 0:
+                v = tl.load(at, mask=mask, other=0, volatile=True)
+            acc += v.to(tl.bfloat16, bitcast=True).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def clear_read(peers_ptr, rank, slot, offs, mask, slot_elems, WORLD: tl.constexpr):
+    """The own mailbox's tile of this slot back to the sentinel, once read: no peer writes it
+    again before the slot comes round (a peer is at most one step ahead)."""
+    tl.debug_barrier()  # threads holding the same values (replicas) have all read them
+    own = tl.load(peers_ptr + rank).to(tl.pointer_type(tl.int16))
+    blank = tl.full(offs.shape, SENTINEL, tl.int16)
+    for p in tl.static_range(WORLD):
+        if p != rank:
+            tl.store(own + (slot * WORLD + p) * slot_elems + offs, blank, mask=mask)
+
+
+@triton.jit
+def next_step(step_ptr, arrive_ptr, step):
+    """The last CTA of the call to arrive moves the step on (every CTA read it already)."""
+    tl.debug_barrier()  # every thread's mailbox stores before the release
+    programs = tl.num_programs(0) * tl.num_programs(1)
+    if tl.atomic_add(arrive_ptr, 1, sem="acq_rel") == programs - 1:
+        tl.store(arrive_ptr, 0)
+        tl.store(step_ptr, step + 1)
