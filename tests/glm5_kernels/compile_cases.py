@@ -133,7 +133,8 @@ def moe_cases(arch: int) -> int:
 
 def mhc_cases(arch: int) -> int:
     """The mHC boundary kernel at the real shape (4 streams, hidden 4096) with the plans'
-    tiles at 1, 8 and 64 tokens: every mode, one launch (the wait) and the two phases."""
+    tiles at 1, 8 and 64 tokens: every mode, one launch (the wait) and the two phases; the
+    all-reduce fused in (world 2)."""
     from types import SimpleNamespace
 
     from glm5_kernels.mhc.boundary import MhcBoundary, MhcConfig
@@ -146,21 +147,29 @@ def mhc_cases(arch: int) -> int:
     types |= {n: "*fp32" for n in ("post_out_ptr", "comb_out_ptr", "part_ptr", "sum_ptr")}
     types |= {"bar_ptr": "*i32", "T": "i32", "D": "i32", "max_tokens": "i32"}
     types |= {n: "fp32" for n in ("rms_eps", "hc_eps", "norm_eps", "post_mult")}
+    types |= {"xr_ptr": "*bf16", "peers_ptr": "*i64", "xstep_ptr": "*i32", "xarrive_ptr": "*i32",
+              "rank": "i32", "slot_elems": "i32"}  # fmt: skip
     n = 0
     # Every mode and the one-launch form at one token; the post at 8 and 64 tokens (other
-    # tiles), there also as the two phases.
-    cases = [(1, mode, head, 0) for mode, head in ((1, False), (2, False), (2, True), (0, False))]
-    cases += [(8, 2, False, 0)] + [(64, 2, False, phase) for phase in (0, 1, 2)]
-    for m, mode, head, phase in cases:
+    # tiles), there also as the two phases; the post and the head with the all-reduce in
+    # (world 2: one launch at 8 tokens, phase 1 at 64).
+    cases = [(1, mode, head, 0, 1)
+             for mode, head in ((1, False), (2, False), (2, True), (0, False))]  # fmt: skip
+    cases += [(8, 2, False, 0, 1)] + [(64, 2, False, phase, 1) for phase in (0, 1, 2)]
+    cases += [(8, 2, False, 0, 2), (8, 2, True, 0, 2), (64, 2, False, 1, 2)]
+    for m, mode, head, phase, world in cases:
         p = MhcBoundary._plan(op, m)
         constexprs = {"H": 4, "BT": p.bt, "BD": p.bd, "BTR": min(16, m), "SR": p.sr,
                       "NMIX_P": 32, "MODE": mode, "STORE": mode != 0 and not head,
                       "HEAD": head, "SINKHORN": 20, "PHASE": phase, "INTERPRETER": False,
-                      "PDL": True}  # fmt: skip
+                      "PDL": True, "WORLD": world}  # fmt: skip
         ptx = _compile(hc_boundary_kernel, types, constexprs, arch, num_warps=p.warps,
                        enable_fp_fusion=False)  # fmt: skip
         if phase == 0:  # the wait: acquire / release atomics, and PDL
             assert "atom" in ptx and "griddepcontrol.wait" in ptx, (m, mode, head)
+        # The mailboxes' polls: masked volatile loads (the wait's is one unmasked word).
+        polls = [line.strip() for line in ptx.splitlines() if "ld.volatile" in line]
+        assert any(p.startswith("@") for p in polls) == (world > 1), (m, mode, head, world)
         n += 1
     return n
 

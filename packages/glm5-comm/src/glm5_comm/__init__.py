@@ -1,11 +1,10 @@
 """glm5-comm: the NVLink one-shot all-reduce on torch symmetric memory, fused with the mHC
 boundary, residual + RMSNorm and the embedding; the logits all-gather. Each has a
 torch.distributed reference and a world-size-1 path. Today: the references
-(`glm5_comm.reference`), the one-shot all-reduce (`AllReduce` over a `Mailbox`), the
-all-reduce + mHC boundary (`AllReduceBoundary`, two launches) and the all-reduce + residual +
-RMSNorm (`AllReduceNorm`, one launch), the MTP eh_proj input (`EmbedNorm`, one launch) and
-the logits gather (`LogitsGather`, one launch),
-CPU-checked under the Triton interpreter, not yet run on GPUs."""
+(`glm5_comm.reference`); over peer mailboxes (`Mailbox`), each one launch: the all-reduce
+(`AllReduce`), the all-reduce inside the mHC boundary (`AllReduceBoundary`), the all-reduce
++ residual + RMSNorm (`AllReduceNorm`), the MTP eh_proj input (`EmbedNorm`) and the logits
+gather (`LogitsGather`) — CPU-checked under the Triton interpreter, not yet run on GPUs."""
 
 from glm5_comm.allreduce import AllReduce, Mailbox
 from glm5_comm.boundary import AllReduceBoundary

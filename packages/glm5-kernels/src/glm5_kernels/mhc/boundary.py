@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from glm5_kernels.gemm.linear import _interpreting, _pdl, _sms
+from glm5_kernels.gemm.linear import _capturing, _interpreting, _pdl, _sms
 
 __all__ = ["MhcBoundary", "MhcConfig"]
 
@@ -101,6 +101,7 @@ class MhcBoundary:
         self._part = torch.zeros(self._max_splits, max_tokens, pw, device=self._device)
         self._sum = torch.zeros(max_tokens, pw, device=self._device)
         self._bar = torch.zeros(-(-max_tokens // 16), dtype=torch.int32, device=self._device)
+        self._xr: Tensor | None = None  # an exchange's reduced rows between two phases
         # The weight dtypes `check_weights` has seen: `prepare` compiles for each (a first
         # launch inside a CUDA-graph capture must not compile).
         self._dtypes: set[tuple[torch.dtype, ...]] = set()
@@ -130,10 +131,11 @@ class MhcBoundary:
     def supports(self, m: int) -> bool:
         return 1 <= m <= self.max_tokens
 
-    def prepare(self, tokens) -> None:
+    def prepare(self, tokens, exchange=None) -> None:
         """Compile every kind of boundary for each token count (before CUDA-graph capture),
         for the weight dtypes `check_weights` has seen (FP32 mix weights and a BF16 norm
-        where it has seen none)."""
+        where it has seen none); with `exchange`, the posts all-reduce through it (every
+        rank must prepare alike: each call exchanges)."""
         c, dev = self.config, self._device
         bf16, f32 = torch.bfloat16, torch.float32
         for fn_t, scale_t, base_t, norm_t in self._dtypes or {(f32, f32, f32, bf16)}:
@@ -144,8 +146,8 @@ class MhcBoundary:
             for m in tokens:
                 x = torch.zeros(m, c.hidden, dtype=bf16, device=dev)
                 streams, post, comb, _ = self.expand_pre(x, fn, scale, base, norm)
-                self.post_pre(x, streams, post, comb, fn, scale, base, norm)
-                self.head(x, streams, post, comb, norm)
+                self.post_pre(x, streams, post, comb, fn, scale, base, norm, exchange=exchange)
+                self.head(x, streams, post, comb, norm, exchange=exchange)
 
     # The boundaries.
     def pre(self, streams, fn, scale, base, norm_weight, *, out=None):
@@ -159,19 +161,29 @@ class MhcBoundary:
         post [T, H] FP32, comb [T, H, H] FP32, the normed sublayer input [T, D] BF16)."""
         return self._run(EXPAND, x, None, None, None, fn, scale, base, norm_weight, out)
 
-    def post_pre(self, x, streams, post, comb, fn, scale, base, norm_weight, *, out=None):
+    def post_pre(self, x, streams, post, comb, fn, scale, base, norm_weight, *, out=None,
+                 exchange=None):  # fmt: skip
         """The sublayer output x [T, D] BF16 posted into streams [T, H, D] with post [T, H] /
-        comb [T, H, H] FP32, then the next pre and norm: (streams', post', comb', normed)."""
-        return self._run(POST, x, streams, post, comb, fn, scale, base, norm_weight, out)
+        comb [T, H, H] FP32, then the next pre and norm: (streams', post', comb', normed).
+        `exchange`: x is this rank's TP-partial output, all-reduced in the same launch
+        through these peer mailboxes (glm5-comm's `Mailbox`: rank, world, hidden,
+        max_tokens, peers, step, arrive; world 1: no exchange)."""
+        return self._run(POST, x, streams, post, comb, fn, scale, base, norm_weight, out,
+                         exchange)  # fmt: skip
 
-    def head(self, x, streams, post, comb, norm_weight, *, out=None) -> Tensor:
-        """The last sublayer's post, the streams' mean and the final norm: [T, D] BF16."""
-        return self._run(POST, x, streams, post, comb, None, None, None, norm_weight, out)[3]
+    def head(self, x, streams, post, comb, norm_weight, *, out=None, exchange=None) -> Tensor:
+        """The last sublayer's post, the streams' mean and the final norm: [T, D] BF16
+        (`exchange`: as `post_pre`'s)."""
+        return self._run(POST, x, streams, post, comb, None, None, None, norm_weight, out,
+                         exchange)[3]  # fmt: skip
 
-    def _run(self, mode, x, streams, post, comb, fn, scale, base, norm, out):
+    def _run(self, mode, x, streams, post, comb, fn, scale, base, norm, out, exchange=None):
         c = self.config
         head = fn is None
         m = self._check(mode, x, streams, post, comb, fn, scale, base, norm, head, out)
+        world = 1 if exchange is None else exchange.world
+        if world > 1:
+            self._check_exchange(exchange, m)
         p = self.plans[m]
         dev, h, d = self._device, c.hc, c.hidden
         store = not head and mode != GIVEN  # the new streams are an output
@@ -200,11 +212,14 @@ class MhcBoundary:
             self._part,
             self._sum,
             self._bar,
+            *(self._exchange_args(exchange, p) if world > 1 else (dummy, dummy, dummy, dummy)),
             m, d, self.max_tokens, c.rms_eps, c.hc_eps, c.norm_eps, c.post_mult,
+            exchange.rank if world > 1 else 0,
+            exchange.max_tokens * d if world > 1 else 0,
         ]  # fmt: skip
         meta = dict(
             H=h, BT=p.bt, BD=p.bd, BTR=min(p.bt, _pow2(m)), SR=p.sr, NMIX_P=_pow2(c.mix),
-            MODE=mode, STORE=store, HEAD=head, SINKHORN=c.sinkhorn_iters,
+            MODE=mode, STORE=store, HEAD=head, SINKHORN=c.sinkhorn_iters, WORLD=world,
             INTERPRETER=self._interp, PDL=self._pdl, num_warps=p.warps, launch_pdl=self._pdl,
             # No contraction: a BF16 multiply and the add after it are two roundings in the
             # model (post * y, then + comb^T streams), never one fused multiply-add.
@@ -214,6 +229,29 @@ class MhcBoundary:
         for phase in (0,) if p.fused else (1, 2):
             self._kernel[grid](*args, PHASE=phase, **meta)
         return (streams if mode == GIVEN else new), post_out, comb_out, normed
+
+    def _exchange_args(self, exchange, p: _Plan) -> tuple:
+        """(xr, peers, step, arrive): xr keeps the reduced rows between two phases (one
+        launch needs none)."""
+        if not p.fused and self._xr is None:
+            if _capturing():
+                raise RuntimeError("MhcBoundary: the exchange's row buffer is allocated by a "
+                                   "call before CUDA-graph capture (prepare)")  # fmt: skip
+            self._xr = torch.empty(self.max_tokens, self.config.hidden, dtype=torch.bfloat16,
+                                   device=self._device)  # fmt: skip
+        xr = self._xr if self._xr is not None else exchange.peers
+        return xr, exchange.peers, exchange.step, exchange.arrive
+
+    def _check_exchange(self, exchange, m: int) -> None:
+        problems = []
+        if exchange.hidden != self.config.hidden or exchange.max_tokens < m:
+            problems.append(f"exchange: hidden {exchange.hidden}, max_tokens "
+                            f"{exchange.max_tokens}; the boundary needs hidden "
+                            f"{self.config.hidden} and {m} tokens")  # fmt: skip
+        if getattr(exchange, "dtype", torch.int16) != torch.int16:
+            problems.append(f"exchange: a mailbox of {exchange.dtype}, BF16 rows need int16")
+        if problems:
+            raise ValueError("MhcBoundary: " + "; ".join(problems))
 
     def check_weights(self, fn, scale, base, norm_weight) -> None:
         """A site's weights as the boundaries read them, or one error naming every problem

@@ -18,19 +18,51 @@ instead, no mix.
 The wait needs the token block's CTAs resident together (the host keeps the grid within
 the SMs); under the interpreter, which runs programs one after another, the phases run as
 two launches (PHASE 1, then PHASE 2; each computes the streams from its inputs).
+
+WORLD > 1: the post's (or the expansion's) x is this rank's TP-partial sublayer output, and
+phase 1 first all-reduces its tile through the peer mailboxes (glm5_kernels.exchange: every
+rank sums the same values in rank order) — the all-reduce and the boundary in one launch.
 """
 
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from glm5_kernels.exchange.triton_exchange import clear_read, exchange_sum, next_step
 from glm5_kernels.gemm.triton_skinny import _bf16, _narrow
 from glm5_kernels.moe.triton_moe import _sigmoid
 
 
 @triton.jit
-def _streams(x_ptr, res_ptr, post_ptr, comb_ptr, t, d, tm, dm, D,
-             MODE: tl.constexpr, INTERPRETER: tl.constexpr):  # fmt: skip
+def _x(x_ptr, xr_ptr, peers_ptr, xstep_ptr, xarrive_ptr, t, d, tm, dm, D, rank, slot_elems,
+       WORLD: tl.constexpr, PHASE: tl.constexpr, INTERPRETER: tl.constexpr):  # fmt: skip
+    """The sublayer output's tile [BT, 1, BD] (FP32 holding BF16): this rank's x, or with
+    WORLD > 1 every rank's TP-partial x summed through the peer mailboxes (rank order, one
+    rounding: glm5_kernels.exchange). In two phases, the first keeps the sum in xr for the
+    second."""
+    m2 = tm[:, None] & dm[None, :]
+    offs = t[:, None] * D + d[None, :]
+    if WORLD == 1:
+        x = tl.load(x_ptr + offs, mask=m2, other=0.0).to(tl.float32)
+    elif PHASE == 2:
+        x = tl.load(xr_ptr + offs, mask=m2, other=0.0).to(tl.float32)
+    else:
+        step = tl.load(xstep_ptr)
+        slot = step % 3
+        mine = tl.load(x_ptr + offs, mask=m2, other=0.0)
+        x = _bf16(exchange_sum(mine, peers_ptr, rank, slot, offs, m2, slot_elems, WORLD),
+                  INTERPRETER)  # fmt: skip
+        clear_read(peers_ptr, rank, slot, offs, m2, slot_elems, WORLD)
+        if PHASE == 1:
+            tl.store(xr_ptr + offs, x.to(tl.bfloat16), mask=m2)  # exact: x holds BF16 values
+        next_step(xstep_ptr, xarrive_ptr, step)
+    return x[:, None, :]
+
+
+@triton.jit
+def _streams(x_ptr, res_ptr, post_ptr, comb_ptr, t, d, tm, dm, D, xr_ptr, peers_ptr,
+             xstep_ptr, xarrive_ptr, rank, slot_elems, MODE: tl.constexpr,
+             WORLD: tl.constexpr, PHASE: tl.constexpr, INTERPRETER: tl.constexpr):  # fmt: skip
     """The streams [BT, 4, BD] (FP32 holding BF16 values) of tokens t, columns d."""
     h = tl.arange(0, 4)
     t3, h3, d3 = t[:, None, None], h[None, :, None], d[None, None, :]
@@ -38,12 +70,14 @@ def _streams(x_ptr, res_ptr, post_ptr, comb_ptr, t, d, tm, dm, D,
     if MODE == 0:
         s = tl.load(res_ptr + t3 * (4 * D) + h3 * D + d3, mask=m3, other=0.0).to(tl.float32)
     elif MODE == 1:
-        x = tl.load(x_ptr + t3 * D + d3, mask=m3, other=0.0).to(tl.float32)
+        x = _x(x_ptr, xr_ptr, peers_ptr, xstep_ptr, xarrive_ptr, t, d, tm, dm, D, rank,
+               slot_elems, WORLD, PHASE, INTERPRETER)  # fmt: skip
         s = x + tl.zeros([1, 4, 1], tl.float32)
     else:
         # transformers' order in the model dtype: post * y, comb^T @ streams (FP32
         # accumulation, one rounding), then their sum.
-        x = tl.load(x_ptr + t3 * D + d3, mask=m3, other=0.0).to(tl.float32)
+        x = _x(x_ptr, xr_ptr, peers_ptr, xstep_ptr, xarrive_ptr, t, d, tm, dm, D, rank,
+               slot_elems, WORLD, PHASE, INTERPRETER)  # fmt: skip
         tm3 = tm[:, None, None]
         p = tl.load(post_ptr + t3 * 4 + h3, mask=tm3, other=0.0)
         placed = _bf16(_bf16(p, INTERPRETER) * x, INTERPRETER)
@@ -63,11 +97,12 @@ def hc_boundary_kernel(
     streams_ptr, post_out_ptr, comb_out_ptr, normed_ptr,  # outputs
     part_ptr, sum_ptr, bar_ptr,  # workspace: partial rows [splits, max_tokens, PW], their
     # sums [max_tokens, PW], a barrier word per token block
-    T, D, max_tokens, rms_eps, hc_eps, norm_eps, post_mult,
+    xr_ptr, peers_ptr, xstep_ptr, xarrive_ptr,  # WORLD > 1: the all-reduce's (see _x)
+    T, D, max_tokens, rms_eps, hc_eps, norm_eps, post_mult, rank, slot_elems,
     H: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BTR: tl.constexpr,
     SR: tl.constexpr, NMIX_P: tl.constexpr, MODE: tl.constexpr, STORE: tl.constexpr,
     HEAD: tl.constexpr, SINKHORN: tl.constexpr, PHASE: tl.constexpr,
-    INTERPRETER: tl.constexpr, PDL: tl.constexpr,
+    INTERPRETER: tl.constexpr, PDL: tl.constexpr, WORLD: tl.constexpr = 1,
 ):  # fmt: skip
     tl.static_assert(H == 4, "the phase-2 code holds each token's 4 x 4 comb in registers")
     pid_t, pid_s = tl.program_id(0), tl.program_id(1)
@@ -91,7 +126,9 @@ def hc_boundary_kernel(
     if PDL:
         gdc_wait()  # the inputs and the workspace come from earlier kernels
         gdc_launch_dependents()
-    s = _streams(x_ptr, res_ptr, post_ptr, comb_ptr, t, d, tm, dm, D, MODE, INTERPRETER)
+    s = _streams(x_ptr, res_ptr, post_ptr, comb_ptr, t, d, tm, dm, D, xr_ptr, peers_ptr,
+                 xstep_ptr, xarrive_ptr, rank, slot_elems, MODE, WORLD, PHASE,
+                 INTERPRETER)  # fmt: skip
 
     if PHASE != 2:
         if STORE:
