@@ -16,9 +16,7 @@ A route makes a module's forward run a stage op (an instance attribute that shad
 class's forward; removing it restores vLLM's): a whole linear (all-reduced when the module
 is row-parallel and reduces), one part of a fused linear (the other parts keep vLLM's
 weights), the MoE gate (cast to the gate's output dtype), or an MLP block. The KDA route
-(`layers.{i}.self_attn.kda`) shadows the KDA layer's forward: vLLM's projections, the fused
-KDA step on the layer's own caches at the placement of its GDN metadata, o_proj — or vLLM's
-forward for a step that placement does not cover.
+(`layers.{i}.self_attn.kda`) shadows the KDA layer's forward (`kda.kda_forward`).
 """
 
 from __future__ import annotations
@@ -33,10 +31,10 @@ from torch import Tensor, nn
 
 from glm5_kernels.mhc import MhcConfig
 from glm5_runtime.plan import Rows, StepContext
-from glm5_runtime.protocol import Kda, Layer, Routing
+from glm5_runtime.protocol import Layer, Routing
 
+from .kda import KDA_CONV, KDA_WEIGHTS, kda_constants, kda_forward
 from .layouts import Layout, expert_layout, linear_layout
-from .metadata import kda_placement
 
 __all__ = ["VllmBackbone", "VllmDraftBackbone", "VllmStep"]
 
@@ -58,10 +56,6 @@ EXPERT_TENSORS = {
     "down_proj": "w2_weight",
     "down_proj_scale_inv": "w2_weight_scale_inv",
 }
-# The KDA layer's small weights, by HF name under `self_attn.`, where vLLM keeps them on the
-# layer itself; its conv weight is three modules there (q_conv1d, k_conv1d, v_conv1d).
-KDA_WEIGHTS = {"forget_gate.dt_bias": "dt_bias", "forget_gate.A_log": "A_log"}
-KDA_CONV = ("q_conv1d", "k_conv1d", "v_conv1d")
 # The attention's fused modules and the HF projections they hold (the protocol's
 # `fused_projections`): one GEMM over q_a | kv_a and over q | k | v | b | f_a | g_a is what
 # vLLM runs, and what a stage serving all of them runs too (H200, one token, TP 4: one
@@ -100,7 +94,7 @@ class VllmBackbone:
         blocks = [l.index for l in (*self.layers, *self.draft_layers) if l.mlp == "moe"]
         self.routing = _routing(config, [self._module(f"layers.{i}.mlp") for i in blocks])
         self._hc = config.hc_mult
-        self.kda = _kda([self.decoder.layers[x.index].self_attn for x in self.layers
+        self.kda = kda_constants([self.decoder.layers[x.index].self_attn for x in self.layers
                          if x.attention == "kda"])  # fmt: skip
         # The sparse MLA stage's route into vLLM's MLA layer (its latent cache, block table
         # and the indexer's selection as neutral tensors) is not wired yet: MLA stays vLLM's.
@@ -295,7 +289,7 @@ class VllmBackbone:
             if op is None:
                 module.__dict__.pop("forward", None)
             else:
-                module.forward = _kda_forward(module, op)
+                module.forward = kda_forward(module, op)
             return
         if name.endswith(".weight"):
             found = self._locate(name)
@@ -411,67 +405,6 @@ def _routed_forward(module: nn.Module, ops: dict[int | None, Any]):
         return finish(torch.cat(parts, dim=-1))
 
     return fused
-
-
-def _kda(modules: list[nn.Module]) -> Kda | None:
-    """The fused KDA stage's constants where every KDA layer is vLLM's GLM-5.3-Flash linear
-    attention (q | k | v | b | f_a | g_a in one projection, the safe or softplus gate, the
-    sigmoid-gated output norm) with one lower bound and norm eps, and the conv state is
-    channels-last (vLLM's default "SD" layout, the one the kernel reads); None otherwise
-    (then KDA stays vLLM's)."""
-    needed = ("in_proj_qkvbfg_a", "f_b_proj", "g_b_proj", "o_norm", "o_proj", *KDA_CONV)
-    if not modules or not all(hasattr(m, n) for m in modules for n in needed):
-        return None
-    if any(getattr(m, "_conv_state_dim_first", True) for m in modules):
-        return None
-    found = {(m.kda_lower_bound if m.kda_safe_gate else None, m.o_norm.eps) for m in modules}
-    if len(found) != 1 or modules[0].o_norm.activation != "sigmoid":
-        return None
-    lower_bound, eps = found.pop()
-    return Kda(None if lower_bound is None else float(lower_bound), float(eps))
-
-
-def _kda_forward(module: nn.Module, op: Any):
-    """A KDA layer's forward with the fused KDA step (conv -> gates -> delta rule -> gated
-    norm) between vLLM's projections (routed as the policy says) and o_proj, for the steps
-    whose GDN metadata is a plain decode or a uniform verify of at most the op's tokens (the
-    placement `metadata.kda_placement` gives); vLLM's own forward for any other step."""
-    stock = type(module).forward.__get__(module)
-
-    def forward(hidden_states: Tensor, positions: Tensor) -> Tensor:
-        place = _kda_step(module)
-        if place is None or not op.supports(place.write_slots.shape[1]):
-            return stock(hidden_states, positions)
-        r, t = place.write_slots.shape
-        n, p = r * t, module.local_projection_size
-        h, d = module.local_num_heads, module.head_dim
-        projected = module.in_proj_qkvbfg_a(hidden_states)[0]
-        qkv, beta, f_a, g_a = projected.split([3 * p, h, d, d], dim=-1)
-        f, gate = module.f_b_proj(f_a)[0], module.g_b_proj(g_a)[0]
-        out = torch.empty(hidden_states.shape[0], h * d, dtype=qkv.dtype, device=qkv.device)
-        if n < out.shape[0]:  # a padded step: finite rows into o_proj past the real ones
-            out[n:].zero_()
-        conv, recurrent = module.kv_cache
-
-        def steps(x: Tensor) -> Tensor:  # [N, width] rows -> [R, T, width], a view
-            return x[:n].view(r, t, x.shape[-1])
-
-        op(steps(qkv), steps(f), steps(beta), steps(gate), conv, recurrent, **place.kwargs(),
-           out=steps(out))  # fmt: skip
-        return module.o_proj(out)[0]
-
-    return forward
-
-
-def _kda_step(module: nn.Module):
-    """This step's KDA placement for `module` from vLLM's forward context, None outside one."""
-    from vllm.forward_context import get_forward_context, is_forward_context_available
-
-    if not is_forward_context_available():
-        return None
-    by_layer = get_forward_context().attn_metadata
-    md = by_layer.get(module.prefix) if isinstance(by_layer, dict) else None
-    return None if md is None else kda_placement(md)
 
 
 def _routing(config, blocks: list[nn.Module | None]) -> Routing | None:
