@@ -212,7 +212,7 @@ class MhcBoundary:
             self._part,
             self._sum,
             self._bar,
-            *(self._exchange_args(exchange, p) if world > 1 else (dummy, dummy, dummy, dummy)),
+            *(self._exchange_args(exchange) if world > 1 else (dummy, dummy, dummy, dummy)),
             m, d, self.max_tokens, c.rms_eps, c.hc_eps, c.norm_eps, c.post_mult,
             exchange.rank if world > 1 else 0,
             exchange.max_tokens * d if world > 1 else 0,
@@ -230,17 +230,17 @@ class MhcBoundary:
             self._kernel[grid](*args, PHASE=phase, **meta)
         return (streams if mode == GIVEN else new), post_out, comb_out, normed
 
-    def _exchange_args(self, exchange, p: _Plan) -> tuple:
+    def _exchange_args(self, exchange) -> tuple:
         """(xr, peers, step, arrive): xr keeps the reduced rows between two phases (one
-        launch needs none)."""
-        if not p.fused and self._xr is None:
+        launch leaves it unused, but every call passes the same buffer: one specialization
+        of the kernel, compiled by `prepare`)."""
+        if self._xr is None:
             if _capturing():
                 raise RuntimeError("MhcBoundary: the exchange's row buffer is allocated by a "
                                    "call before CUDA-graph capture (prepare)")  # fmt: skip
             self._xr = torch.empty(self.max_tokens, self.config.hidden, dtype=torch.bfloat16,
                                    device=self._device)  # fmt: skip
-        xr = self._xr if self._xr is not None else exchange.peers
-        return xr, exchange.peers, exchange.step, exchange.arrive
+        return self._xr, exchange.peers, exchange.step, exchange.arrive
 
     def _check_exchange(self, exchange, m: int) -> None:
         problems = []
