@@ -249,6 +249,19 @@ def test_kda_route_runs_the_fused_step_on_vllms_caches(built, monkeypatch):
             assert got.shape[0] == n + padding and got.isfinite().all()
             assert _rel(got[:n], want) < 2**-7, md.num_spec_decodes
             assert _rel(conv, caches[0]) < 2**-8 and _rel(rec, caches[1]) < 2**-8
+        # The step's placement is computed once for all its KDA layers (one metadata object).
+        import glm5_vllm.kda as kda_module
+
+        placed = []
+        monkeypatch.setattr(kda_module, "kda_placement", lambda md: placed.append(md) or "p")
+        monkeypatch.setattr(kda_module, "_placed", [None, None])
+        second = model.model.layers[2].self_attn
+        with override_forward_context(create_forward_context(
+                {attn.prefix: decode, second.prefix: decode}, vllm_config)):  # fmt: skip
+            assert kda_module._step(attn) == kda_module._step(second) == "p"
+        assert placed == [decode]
+        monkeypatch.undo()  # the real placement again for the rest of the test
+        monkeypatch.setattr(attn, "kv_cache", (conv, rec), raising=False)
         # A prefill: vLLM's own forward (recorded here; its kernels are GPU-only).
         b.route(0, f"{p}.kda", None)
         called = []

@@ -121,6 +121,9 @@ def test_kda_placement_from_real_gdn_metadata():
     assert p.conv_slots.tolist() == [5, 9, 1] and p.conv_offset.tolist() == [0, 2, 3]
     assert p.read_slots.tolist() == [5, 11, 4]
     assert torch.equal(p.write_slots, verify.spec_state_indices_tensor)
+    # Every tensor as the kernel reads it (no copy per layer).
+    assert all(getattr(p, f).is_contiguous() for f in ("conv_slots", "conv_offset",
+                                                        "read_slots", "write_slots"))  # fmt: skip
     assert set(p.kwargs()) == {"conv_slots", "conv_offset", "read_slots", "write_slots", "keep"}
 
     decode = _gdn(decodes=2)

@@ -73,6 +73,11 @@ def kda_forward(module: nn.Module, op: Any):
     return forward
 
 
+# The last metadata object placed and its placement: a step's KDA layers share one
+# GDNAttentionMetadata, so its placement's few small ops run once a step, not once a layer.
+_placed: list = [None, None]
+
+
 def _step(module: nn.Module):
     """This step's KDA placement for `module` from vLLM's forward context, None outside one."""
     from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -81,4 +86,8 @@ def _step(module: nn.Module):
         return None
     by_layer = get_forward_context().attn_metadata
     md = by_layer.get(module.prefix) if isinstance(by_layer, dict) else None
-    return None if md is None else kda_placement(md)
+    if md is None:
+        return None
+    if _placed[0] is not md:
+        _placed[:] = [md, kda_placement(md)]
+    return _placed[1]

@@ -67,7 +67,9 @@ def kda_placement(md: Any) -> KdaPlacement | None:
         r = md.num_spec_decodes
         slots, start = slots[:r], accepted[:r].long() - 1
         read = slots.gather(1, start[:, None])[:, 0]
-        return KdaPlacement(slots[:, 0], start, read, slots, keep=slots.shape[1] > 1)
+        # Contiguous columns: the kernel reads them as given, with no copy per layer.
+        conv = slots[:, 0].contiguous()
+        return KdaPlacement(conv, start, read, slots, keep=slots.shape[1] > 1)
     if md.num_decodes and not md.num_spec_decodes:
         slots = md.non_spec_state_indices_tensor
         if slots is None:
