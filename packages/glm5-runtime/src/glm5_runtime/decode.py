@@ -225,11 +225,11 @@ class LayerStages:
         `self_attn.dsa_attn`). (`dsa_value_up` names no separate op: the value-up is the
         stage's second launch.)"""
         b = self.backbone
-        if getattr(b, "mla", None) is None:
+        mla = b.mla
+        if mla is None:
             raise ValueError(
                 "the backbone's MLA layers do not take the sparse stage (Backbone.mla)"
             )
-        mla = b.mla
         for layer in (x for x in self.layers if x.attention == "mla"):
             for shard in b.shards:
                 p = f"layers.{layer.index}.self_attn"
@@ -344,31 +344,6 @@ class SpecializedDecode(LayerStages):
         self._add(op, tokens, None, None)  # not a route: `run` calls it
         self.mhc, self.mhc_tokens, self._sites = op, frozenset(tokens), sites
         self._final_norm = final
-
-    def _dsa_attn(self, tokens: list[int]) -> None:
-        """Each MLA layer's attention over the indexer's selection and its value-up as one
-        `SparseMlaDecode` (two launches), between the absorbed query and o_proj (route
-        `self_attn.dsa_attn`). (`dsa_value_up` names no separate op: the value-up is the
-        stage's second launch.)"""
-        b = self.backbone
-        if getattr(b, "mla", None) is None:
-            raise ValueError(
-                "the backbone's MLA layers do not take the sparse stage (Backbone.mla)"
-            )
-        mla = b.mla
-        for layer in (x for x in self.layers if x.attention == "mla"):
-            for shard in b.shards:
-                p = f"layers.{layer.index}.self_attn"
-                w = b.weight(shard, f"{p}.kv_b_proj.weight")
-                if w is None:
-                    raise ValueError(f"no {p}.kv_b_proj.weight")
-                if w.dtype == torch.float8_e4m3fn:  # block-FP8: the value rows in BF16
-                    scale = b.weight(shard, f"{p}.kv_b_proj.weight_scale_inv")
-                    w = dequantize_fp8_block_ref(w, scale, dtype=torch.bfloat16)
-                split = mla.nope_dim + mla.v_dim
-                w_uv = w.view(w.shape[0] // split, split, w.shape[1])[:, mla.nope_dim :]
-                op = SparseMlaDecode(w_uv.to(torch.bfloat16), mla.scale, max_rows=max(tokens))
-                self._add(op, tokens, shard, f"{p}.dsa_attn")
 
     def prepare(self) -> set[str]:
         failed = super().prepare()
