@@ -13,7 +13,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from glm5_kernels.exchange import SENTINEL32 as _SENTINEL32
-from glm5_kernels.exchange.triton_exchange import clear_read, exchange_sum, next_step
+from glm5_kernels.exchange.triton_exchange import all_reduce_tile, next_step
 from glm5_kernels.gemm.triton_skinny import _narrow
 
 SENTINEL32 = tl.constexpr(_SENTINEL32)  # 0xFFFFFFFF: FP32 rows' (a NaN no arithmetic makes)
@@ -32,15 +32,10 @@ def one_shot_all_reduce_kernel(
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    step = tl.load(step_ptr)
-    slot = step % 3
-    offs = rows[:, None] * D + cols[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    acc = exchange_sum(x, peers_ptr, rank, slot, offs, mask, slot_elems, WORLD)
-    y = _narrow(acc, tl.bfloat16, INTERPRETER)  # rounded once, as all_reduce_ref
-    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y, mask=mask)
-    clear_read(peers_ptr, rank, slot, offs, mask, slot_elems, WORLD)
-    next_step(step_ptr, arrive_ptr, step)
+    y = all_reduce_tile(x, peers_ptr, step_ptr, arrive_ptr, rank, rows[:, None] * D + cols[None, :],
+                        mask, slot_elems, WORLD, INTERPRETER)  # fmt: skip
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
@@ -69,22 +64,13 @@ def all_reduce_norm_kernel(
         gdc_wait()
         gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    if WORLD > 1:
-        step = tl.load(step_ptr)
-        slot = step % 3
-        offs = row * D + cols
-        y = exchange_sum(x, peers_ptr, rank, slot, offs, mask, slot_elems, WORLD)
-        y = _narrow(y, tl.bfloat16, INTERPRETER).to(tl.float32)
-    else:
-        y = x.to(tl.float32)
+    y = all_reduce_tile(x, peers_ptr, step_ptr, arrive_ptr, rank, row * D + cols, mask,
+                        slot_elems, WORLD, INTERPRETER)  # fmt: skip
     res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
     r = _narrow(y + res, tl.bfloat16, INTERPRETER)
     tl.store(res_out_ptr + row * stride_res_out + cols, r, mask=mask)
     normed = _rms_norm_row(r.to(tl.float32), w, D, eps, INTERPRETER)
     tl.store(normed_ptr + row * stride_normed + cols, normed, mask=mask)
-    if WORLD > 1:
-        clear_read(peers_ptr, rank, slot, offs, mask, slot_elems, WORLD)
-        next_step(step_ptr, arrive_ptr, step)
 
 
 @triton.jit
@@ -149,20 +135,11 @@ def embed_norm_kernel(
         gdc_wait()
         gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    if WORLD > 1:
-        step = tl.load(step_ptr)
-        slot = step % 3
-        offs = row * D + cols
-        y = exchange_sum(x, peers_ptr, rank, slot, offs, mask, slot_elems, WORLD)
-        y = _narrow(y, tl.bfloat16, INTERPRETER).to(tl.float32)
-    else:
-        y = x.to(tl.float32)
+    y = all_reduce_tile(x, peers_ptr, step_ptr, arrive_ptr, rank, row * D + cols, mask,
+                        slot_elems, WORLD, INTERPRETER)  # fmt: skip
     y = tl.where(tl.load(pos_ptr + row) != 0, y, 0.0)
     tl.store(out_ptr + row * stride_out + cols, _rms_norm_row(y, ew, D, eps, INTERPRETER),
              mask=mask)  # fmt: skip
     h = tl.load(hidden_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + D + cols, _rms_norm_row(h, hw, D, eps, INTERPRETER),
              mask=mask)  # fmt: skip
-    if WORLD > 1:
-        clear_read(peers_ptr, rank, slot, offs, mask, slot_elems, WORLD)
-        next_step(step_ptr, arrive_ptr, step)

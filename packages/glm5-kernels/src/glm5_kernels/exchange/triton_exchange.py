@@ -6,15 +6,17 @@ tile into every peer's mailbox at [slot, rank] and sums every rank's tile in ran
 FP32 (polling its own mailbox until no value is the sentinel: every rank sums the same
 values in the same order, so all hold bit-identical rows); `clear_read` puts the sentinel
 back over what was read; `next_step` lets the call's last CTA move the step (slot = step %
-3) on. A peer can be at most one step ahead (it needs this rank's push to finish its step),
-so it writes the next slot, cleared when this rank read it, never the one being read: no
-barrier between calls, capturable (the step lives on the device).
+3) on; `all_reduce_tile` is the three in order, a kernel's all-reduced input tile. A peer
+can be at most one step ahead (it needs this rank's push to finish its step), so it writes
+the next slot, cleared when this rank read it, never the one being read: no barrier between
+calls, capturable (the step lives on the device).
 """
 
 import triton
 import triton.language as tl
 
 from glm5_kernels.exchange import SENTINEL as _SENTINEL
+from glm5_kernels.gemm.triton_skinny import _bf16
 
 SENTINEL = tl.constexpr(_SENTINEL)
 
@@ -64,3 +66,19 @@ def next_step(step_ptr, arrive_ptr, step):
     if tl.atomic_add(arrive_ptr, 1, sem="acq_rel") == programs - 1:
         tl.store(arrive_ptr, 0)
         tl.store(step_ptr, step + 1)
+
+
+@triton.jit
+def all_reduce_tile(x, peers_ptr, step_ptr, arrive_ptr, rank, offs, mask, slot_elems,
+                    WORLD: tl.constexpr, INTERPRETER: tl.constexpr):  # fmt: skip
+    """This rank's BF16 tile x summed with every rank's at the same offsets (rank order, one
+    BF16 rounding: all_reduce_ref), as FP32; the mailbox tile cleared and the step handed
+    on. WORLD 1: x as it is."""
+    if WORLD == 1:
+        return x.to(tl.float32)
+    step = tl.load(step_ptr)
+    slot = step % 3
+    y = _bf16(exchange_sum(x, peers_ptr, rank, slot, offs, mask, slot_elems, WORLD), INTERPRETER)
+    clear_read(peers_ptr, rank, slot, offs, mask, slot_elems, WORLD)
+    next_step(step_ptr, arrive_ptr, step)
+    return y

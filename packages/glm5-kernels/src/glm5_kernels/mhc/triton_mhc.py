@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from glm5_kernels.exchange.triton_exchange import clear_read, exchange_sum, next_step
+from glm5_kernels.exchange.triton_exchange import all_reduce_tile
 from glm5_kernels.gemm.triton_skinny import _bf16, _narrow
 from glm5_kernels.moe.triton_moe import _sigmoid
 
@@ -42,20 +42,14 @@ def _x(x_ptr, xr_ptr, peers_ptr, xstep_ptr, xarrive_ptr, t, d, tm, dm, D, rank, 
     second."""
     m2 = tm[:, None] & dm[None, :]
     offs = t[:, None] * D + d[None, :]
-    if WORLD == 1:
-        x = tl.load(x_ptr + offs, mask=m2, other=0.0).to(tl.float32)
-    elif PHASE == 2:
+    if WORLD > 1 and PHASE == 2:
         x = tl.load(xr_ptr + offs, mask=m2, other=0.0).to(tl.float32)
     else:
-        step = tl.load(xstep_ptr)
-        slot = step % 3
         mine = tl.load(x_ptr + offs, mask=m2, other=0.0)
-        x = _bf16(exchange_sum(mine, peers_ptr, rank, slot, offs, m2, slot_elems, WORLD),
-                  INTERPRETER)  # fmt: skip
-        clear_read(peers_ptr, rank, slot, offs, m2, slot_elems, WORLD)
-        if PHASE == 1:
+        x = all_reduce_tile(mine, peers_ptr, xstep_ptr, xarrive_ptr, rank, offs, m2, slot_elems,
+                            WORLD, INTERPRETER)  # fmt: skip
+        if WORLD > 1 and PHASE == 1:
             tl.store(xr_ptr + offs, x.to(tl.bfloat16), mask=m2)  # exact: x holds BF16 values
-        next_step(xstep_ptr, xarrive_ptr, step)
     return x[:, None, :]
 
 
