@@ -25,7 +25,7 @@ from torch import Tensor
 from glm5_kernels.exchange import SENTINEL, SENTINEL32
 from glm5_kernels.gemm.linear import _capturing, _interpreting, _pdl
 
-__all__ = ["SENTINEL", "SENTINEL32", "AllReduce", "Mailbox"]
+__all__ = ["SENTINEL", "SENTINEL32", "AllReduce", "Mailbox", "TiledExchange"]
 
 SENTINELS = {torch.int16: SENTINEL, torch.int32: SENTINEL32}  # a value not yet written
 
@@ -96,37 +96,64 @@ class Mailbox:
                    [buffer, handle], dtype)  # fmt: skip
 
 
-class AllReduce:
-    """The one-shot all-reduce of [M, hidden] BF16 rows, M <= the mailbox's max_tokens."""
+class TiledExchange:
+    """What the ops exchanging [M, hidden] rows tile by tile share (`AllReduce`,
+    `LogitsGather`): the mailbox of the dtype their rows need, tiles of up to block_rows x
+    block_cols, each row tile compiled before CUDA-graph capture (`prepare`: an exchange of
+    zeros each, every rank alike), the launch. Subclasses name their kernel and row dtype."""
+
+    kernel_name: str = ""
+    rows_dtype: torch.dtype = torch.bfloat16
 
     def __init__(self, mailbox: Mailbox, *, block_rows: int = 16, block_cols: int = 512):
-        if mailbox.dtype != torch.int16:
-            raise ValueError(f"AllReduce: a mailbox of {mailbox.dtype}, BF16 rows need int16")
+        want = torch.int16 if self.rows_dtype == torch.bfloat16 else torch.int32
+        if mailbox.dtype != want:
+            raise ValueError(f"{type(self).__name__}: a mailbox of {mailbox.dtype}, "
+                             f"{self.rows_dtype} rows need {want}")  # fmt: skip
         self.mailbox = mailbox
         self.bm, self.bd = block_rows, min(block_cols, 1 << (mailbox.hidden - 1).bit_length())
-        self._interp = _interpreting()
-        self._pdl = _pdl(mailbox.peers.device)
+        self._interp, self._pdl = _interpreting(), _pdl(mailbox.peers.device)
         if mailbox.world > 1:
-            from glm5_comm.triton_exchange import one_shot_all_reduce_kernel  # Triton: an extra
+            from glm5_comm import triton_exchange  # Triton: an extra
 
-            self._kernel = one_shot_all_reduce_kernel
+            self._kernel = getattr(triton_exchange, self.kernel_name)
         self._ready: set[int] = set()  # row tiles compiled
 
     def supports(self, m: int) -> bool:
         return 1 <= m <= self.mailbox.max_tokens
 
     def prepare(self, tokens=None) -> None:
-        """Compile every row tile the step sizes `tokens` (default 1..max_tokens) use, before
-        CUDA-graph capture: an exchange of zeros each (every rank calls it alike)."""
+        """Compile every row tile the step sizes `tokens` (default 1..max_tokens) use."""
         if self.mailbox.world == 1:
             return
         sizes = {self._tile(m): m for m in tokens or range(1, self.mailbox.max_tokens + 1)}
         for m in sorted(sizes.values()):
-            self(torch.zeros(m, self.mailbox.hidden, dtype=torch.bfloat16,
+            self(torch.zeros(m, self.mailbox.hidden, dtype=self.rows_dtype,
                              device=self.mailbox.peers.device))  # fmt: skip
 
     def _tile(self, m: int) -> int:
         return min(self.bm, 1 << (m - 1).bit_length())
+
+    def _launch(self, x: Tensor, out: Tensor, **meta) -> Tensor:
+        mb, m = self.mailbox, x.shape[0]
+        bm = self._tile(m)
+        if bm not in self._ready:
+            if _capturing():
+                raise RuntimeError(f"{type(self).__name__}: {m} rows not prepared before "
+                                   "CUDA-graph capture")  # fmt: skip
+            self._ready.add(bm)
+        self._kernel[(-(-m // bm), -(-mb.hidden // self.bd))](
+            x, out, mb.peers, mb.step, mb.arrive,
+            m, mb.hidden, x.stride(0), out.stride(0), mb.max_tokens * mb.hidden, mb.rank,
+            WORLD=mb.world, BM=bm, PDL=self._pdl, num_warps=4, launch_pdl=self._pdl, **meta,
+        )  # fmt: skip
+        return out
+
+
+class AllReduce(TiledExchange):
+    """The one-shot all-reduce of [M, hidden] BF16 rows, M <= the mailbox's max_tokens."""
+
+    kernel_name = "one_shot_all_reduce_kernel"
 
     def __call__(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         mb = self.mailbox
@@ -144,18 +171,5 @@ class AllReduce:
             raise ValueError("AllReduce: " + "; ".join(problems))
         if mb.world == 1:  # the sum of one partial: no exchange
             return x if out is None else out.copy_(x)
-        if out is None:
-            out = torch.empty_like(x)
-        bm = self._tile(m)
-        if bm not in self._ready:
-            if _capturing():
-                raise RuntimeError(f"AllReduce: {m} rows not prepared before CUDA-graph capture")
-            self._ready.add(bm)
-        grid = (-(-m // bm), -(-mb.hidden // self.bd))
-        self._kernel[grid](
-            x, out, mb.peers, mb.step, mb.arrive,
-            m, mb.hidden, x.stride(0), out.stride(0), mb.max_tokens * mb.hidden, mb.rank,
-            WORLD=mb.world, BM=bm, BD=self.bd, INTERPRETER=self._interp, PDL=self._pdl,
-            num_warps=4, launch_pdl=self._pdl,
-        )  # fmt: skip
-        return out
+        out = torch.empty_like(x) if out is None else out
+        return self._launch(x, out, BD=self.bd, INTERPRETER=self._interp)
