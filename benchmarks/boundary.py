@@ -21,10 +21,10 @@ import json
 import time
 
 import torch
-from provenance import provenance, result_args, write_result
+from provenance import floor_bandwidth, provenance, result_args, write_result
 
 from glm5_kernels.mhc import MhcBoundary, MhcConfig, hc_fused_post_pre_ref
-from glm5_kernels.timing import graph_calls_us, hbm_bandwidth
+from glm5_kernels.timing import graph_calls_us
 from glm5_runtime.bench import call_launches
 
 D, H = 4096, 4
@@ -66,8 +66,7 @@ def main() -> None:
         print(table(args.table))
         return
     gen = torch.Generator("cuda").manual_seed(0)
-    bw = hbm_bandwidth()["floor"]
-    print(f"{torch.cuda.get_device_name()}: HBM {bw / 1e12:.2f} TB/s")
+    bw = floor_bandwidth()
     op = MhcBoundary(CONFIG, device="cuda")
     rows, sweep, start = [], [], time.perf_counter()
     for m in (int(t) for t in args.tokens.split(",")):

@@ -23,10 +23,10 @@ import math
 import time
 
 import torch
-from provenance import provenance, result_args, write_result
+from provenance import floor_bandwidth, provenance, result_args, write_result
 
 from glm5_kernels.dsa import SparseMlaDecode, sparse_mla_decode_ref
-from glm5_kernels.timing import graph_calls_us, hbm_bandwidth
+from glm5_kernels.timing import graph_calls_us
 from glm5_runtime.bench import call_launches
 
 L, VD, BS, SELECTED = 512, 256, 64, 2048 + 15
@@ -83,8 +83,7 @@ def main() -> None:
         print(table(args.table))
         return
     gen = torch.Generator("cuda").manual_seed(0)
-    bw = hbm_bandwidth()["floor"]
-    print(f"{torch.cuda.get_device_name()}: HBM {bw / 1e12:.2f} TB/s")
+    bw = floor_bandwidth()
     rows, start = [], time.perf_counter()
     for heads in (int(h) for h in args.heads.split(",")):
         w_uv = (torch.randn(heads, VD, L, generator=gen, device="cuda") / L**0.5).bfloat16()

@@ -33,10 +33,10 @@ import time
 import types
 
 import torch
-from provenance import provenance, result_args, write_result
+from provenance import floor_bandwidth, provenance, result_args, write_result
 
 from glm5_kernels.kda import KdaDecode, kda_decode_ref
-from glm5_kernels.timing import graph_calls_us, hbm_bandwidth
+from glm5_kernels.timing import graph_calls_us
 from glm5_runtime.bench import call_launches
 
 K = V = 128
@@ -213,8 +213,7 @@ def main() -> None:
         print(table(args.table))
         return
     gen = torch.Generator("cuda").manual_seed(0)
-    bw = hbm_bandwidth()["floor"]
-    print(f"{torch.cuda.get_device_name()}: HBM {bw / 1e12:.2f} TB/s")
+    bw = floor_bandwidth()
     ops = vllm_ops(args.vllm_ops)
     rows, start = [], time.perf_counter()
 

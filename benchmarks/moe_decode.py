@@ -30,13 +30,13 @@ import time
 from dataclasses import replace
 
 import torch
-from provenance import provenance, result_args, write_result
+from provenance import floor_bandwidth, provenance, result_args, write_result
 
 from glm5_kernels.gemm import Router, SharedExpert, quantize_tokens_fp8_ref
 from glm5_kernels.gemm.library import block_fp8_supported, fp8_mlp_library, router_library
 from glm5_kernels.moe import GroupedExperts, MegaExperts, route_ref, swiglu_ref
 from glm5_kernels.quant import dequantize_fp8_block_ref, quantize_fp8_block_ref
-from glm5_kernels.timing import graph_calls_us, hbm_bandwidth
+from glm5_kernels.timing import graph_calls_us
 from glm5_runtime.bench import call_launches
 
 E, D, K, LIMIT, SCALING, INTER = 288, 4096, 8, 10.0, 2.5, 2048
@@ -205,8 +205,7 @@ def main() -> None:
     if block_fp8_supported(torch.device("cuda")) is None:
         raise SystemExit("the library stock needs torch's block-scaled _scaled_mm")
     gen = torch.Generator("cuda").manual_seed(0)
-    bw = hbm_bandwidth()["floor"]
-    print(f"{torch.cuda.get_device_name()}: HBM {bw / 1e12:.2f} TB/s")
+    bw = floor_bandwidth()
     rows, start = [], time.perf_counter()
     ref_tokens = {int(t) for t in args.reference_tokens.split(",") if t}
     for tp in (int(t) for t in args.tp.split(",")):

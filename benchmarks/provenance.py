@@ -43,3 +43,13 @@ def write_result(path: str | None, result: dict) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def floor_bandwidth() -> float:
+    """The bytes/s every floor of a run divides by (`hbm_bandwidth()["floor"]`, measured
+    now), printed with the GPU's name."""
+    from glm5_kernels.timing import hbm_bandwidth
+
+    bw = hbm_bandwidth()["floor"]
+    print(f"{torch.cuda.get_device_name()}: HBM {bw / 1e12:.2f} TB/s")
+    return bw
