@@ -73,12 +73,15 @@ def all_reduce_tile(x, peers_ptr, step_ptr, arrive_ptr, rank, offs, mask, slot_e
                     WORLD: tl.constexpr, INTERPRETER: tl.constexpr):  # fmt: skip
     """This rank's BF16 tile x summed with every rank's at the same offsets (rank order, one
     BF16 rounding: all_reduce_ref), as FP32; the mailbox tile cleared and the step handed
-    on. WORLD 1: x as it is."""
+    on. WORLD 1: x as it is, and the mailbox pointers are never touched (a caller may pass
+    any tensor there: an else, not an early return, so that no exchange code is generated)."""
     if WORLD == 1:
-        return x.to(tl.float32)
-    step = tl.load(step_ptr)
-    slot = step % 3
-    y = _bf16(exchange_sum(x, peers_ptr, rank, slot, offs, mask, slot_elems, WORLD), INTERPRETER)
-    clear_read(peers_ptr, rank, slot, offs, mask, slot_elems, WORLD)
-    next_step(step_ptr, arrive_ptr, step)
+        y = x.to(tl.float32)
+    else:
+        step = tl.load(step_ptr)
+        slot = step % 3
+        y = exchange_sum(x, peers_ptr, rank, slot, offs, mask, slot_elems, WORLD)
+        y = _bf16(y, INTERPRETER)
+        clear_read(peers_ptr, rank, slot, offs, mask, slot_elems, WORLD)
+        next_step(step_ptr, arrive_ptr, step)
     return y
