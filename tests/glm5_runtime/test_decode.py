@@ -103,6 +103,10 @@ def test_planned_steps_equal_stock(q):
         h_fp32 = fp32.forward(requests, tokens, verify=verify)
         routed = {name for _, name, _ in decode.routes[q * t]}
         assert {name for _, name, _, _ in pairs} == routed  # every stage op ran
+        # vLLM's fused attention projections, one op each (their parts never routed apart).
+        parts = {n.rsplit(".", 2)[-2] for n in routed if ".self_attn." in n}
+        assert {"fused_qkv_a_proj", "in_proj_qkvbfg_a"} <= parts, parts
+        assert not parts & {"q_proj", "k_proj", "v_proj", "q_a_proj", "kv_a_proj_with_mqa"}
         check_calls(pairs, calls)
         pairs.clear()
         if verify:

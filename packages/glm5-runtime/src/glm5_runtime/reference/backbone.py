@@ -16,7 +16,7 @@ from glm5_kernels.norm import rms_norm_ref
 from ..plan import Rows
 from ..protocol import Kda, Layer, Mla, Routing
 from .model import ReferenceModel
-from .stages import Step, reduce
+from .stages import FUSED_PARTS, Step, reduce
 
 __all__ = ["ReferenceBackbone"]
 
@@ -26,7 +26,12 @@ class ReferenceBackbone:
     the shards)."""
 
     aux_layers: tuple[int, ...] = ()
-    fused_projections: Mapping[str, tuple[str, ...]] = MappingProxyType({})  # HF: apart
+    # vLLM's fused attention weights, built from the HF parts on first use (`weight`): a
+    # stage serves each with one op, as vLLM runs it.
+    fused_projections: Mapping[str, tuple[str, ...]] = MappingProxyType({
+        "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
+        "in_proj_qkvbfg_a": ("q_proj", "k_proj", "v_proj"),
+    })  # fmt: skip
 
     def __init__(self, model: ReferenceModel):
         g = model.g
@@ -51,7 +56,11 @@ class ReferenceBackbone:
         self._topk: Tensor | None = None  # the last full indexer layer's selection this step
 
     def weight(self, shard: int, name: str) -> Tensor | None:
-        return self.model.ranks[shard].w.get(name)
+        rank = self.model.ranks[shard]
+        prefix, _, fused = name.removesuffix(".weight").rpartition(".")
+        if fused in FUSED_PARTS and name.endswith(".weight") and name not in rank.w:
+            return rank.fuse(prefix, fused)
+        return rank.w.get(name)
 
     def tokens(self, placement: Step) -> int:
         return placement.positions.numel()

@@ -25,6 +25,15 @@ from glm5_kernels.quant import dequantize_fp8_block_ref
 from .caches import RankCaches
 from .config import Geometry
 
+# HF projections that vLLM runs as one GEMM over one fused weight, rows in this order (its
+# `fused_qkv_a_proj` and `in_proj_qkvbfg_a`). A routed op over the fused weight (`fuse`)
+# serves every part in one launch, as vLLM's module does.
+FUSED_PARTS = {
+    "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),
+    "in_proj_qkvbfg_a": ("q_proj", "k_proj", "v_proj", "b_proj", "forget_gate.f_a_proj",
+                         "g_a_proj"),
+}  # fmt: skip
+
 
 @dataclass
 class Step:
@@ -79,6 +88,30 @@ class RankStages:
         y = op(x.reshape(rows, x.shape[-1]).contiguous())
         return y.view(*x.shape[:-1], y.shape[-1])
 
+    def fuse(self, prefix: str, fused: str) -> Tensor | None:
+        """The fused weight `{prefix}.{fused}.weight` (FUSED_PARTS): its parts' BF16 rows in
+        one tensor, the parts re-pointed to views of it (no second copy of any weight). None
+        where a part is missing or not BF16."""
+        name = f"{prefix}.{fused}.weight"
+        if name not in self.w:
+            parts = [f"{prefix}.{p}.weight" for p in FUSED_PARTS[fused]]
+            ws = [self.w.get(p) for p in parts]
+            if any(w is None or w.dtype != torch.bfloat16 for w in ws):
+                return None
+            self.w[name] = torch.cat(ws)
+            for p, view in zip(parts, self.w[name].split([w.shape[0] for w in ws]), strict=True):
+                self.w[p] = view
+        return self.w[name]
+
+    def _parts(self, x: Tensor, prefix: str, fused: str) -> tuple[Tensor | None, list[Tensor]]:
+        """(the fused output or None, each part's output): one routed op over the fused
+        weight where one takes x, else a linear per part."""
+        names = [f"{prefix}.{p}.weight" for p in FUSED_PARTS[fused]]
+        whole = self._routed(f"{prefix}.{fused}.weight", x)
+        if whole is None:
+            return None, [self.linear(x, n) for n in names]
+        return whole, list(whole.split([self.w[n].shape[0] for n in names], dim=-1))
+
     def linear(self, x: Tensor, name: str) -> Tensor:
         routed = self._routed(name, x)
         if routed is not None:
@@ -112,12 +145,12 @@ class RankStages:
     def kda(self, layer: int, x: Tensor, step: Step) -> Tensor:
         g, a = self.g, f"layers.{layer}.self_attn"
         T = x.shape[1]
-        mixed = torch.cat([self.linear(x, f"{a}.{p}_proj.weight") for p in "qkv"], dim=-1)
-        f = self.linear(
-            self.linear(x, f"{a}.forget_gate.f_a_proj.weight"), f"{a}.forget_gate.f_b_proj.weight"
-        )
-        b = self.linear(x, f"{a}.b_proj.weight")
-        gate_o = self.linear(self.linear(x, f"{a}.g_a_proj.weight"), f"{a}.g_b_proj.weight")
+        whole, (q, k, v, b, f_a, g_a) = self._parts(x, a, "in_proj_qkvbfg_a")
+        width = q.shape[-1] + k.shape[-1] + v.shape[-1]
+        # q | k | v: the fused output's first columns (a view), or the parts concatenated.
+        mixed = whole[..., :width] if whole is not None else torch.cat([q, k, v], dim=-1)
+        f = self.linear(f_a, f"{a}.forget_gate.f_b_proj.weight")
+        gate_o = self.linear(g_a, f"{a}.g_b_proj.weight")
         conv, rec = self.c.conv[layer], self.c.recurrent[layer]
         place = dict(
             conv_slots=step.conv_slots, conv_offset=step.conv_offset,
@@ -148,17 +181,12 @@ class RankStages:
         g, a = self.g, f"layers.{layer}.self_attn"
         R, T, _ = x.shape
         eps = g.rms_norm_eps
-        q_resid = rms_norm_ref(
-            self.linear(x, f"{a}.q_a_proj.weight"), self.w[f"{a}.q_a_layernorm.weight"], eps
-        )
+        _, (q_a, kv_a) = self._parts(x, a, "fused_qkv_a_proj")
+        q_resid = rms_norm_ref(q_a, self.w[f"{a}.q_a_layernorm.weight"], eps)
         heads = g.num_attention_heads // g.tp_size
         nope, vd, lora = g.qk_nope_head_dim, g.v_head_dim, g.kv_lora_rank
         q = self.linear(q_resid, f"{a}.q_b_proj.weight").reshape(R, T, heads, nope)
-        kv = rms_norm_ref(
-            self.linear(x, f"{a}.kv_a_proj_with_mqa.weight"),
-            self.w[f"{a}.kv_a_layernorm.weight"],
-            eps,
-        )
+        kv = rms_norm_ref(kv_a, self.w[f"{a}.kv_a_layernorm.weight"], eps)
         latent = self.c.latent[layer].view(-1, lora)
         latent[step.slots.reshape(-1)] = kv.reshape(-1, lora).to(latent.dtype)
         if topk is None and f"{a}.indexer.wk.weight" in self.w:
