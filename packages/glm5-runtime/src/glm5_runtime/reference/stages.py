@@ -197,15 +197,19 @@ class RankStages:
         idx = topk.clamp(min=0)
         # Absorbed MLA: q·(W_uk c) = (W_uk^T q)·c, and o = W_uv (p·c): exact, without
         # expanding every selected token to all heads.
-        kv_b = self.w[f"{a}.kv_b_proj.weight"].float().reshape(heads, nope + vd, lora)
-        w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]
-        q_lat = torch.einsum("rthn,hnl->rthl", q.float(), w_uk)
+        kv_b = self.w[f"{a}.kv_b_proj.weight"].reshape(heads, nope + vd, lora)
         fused = self.routes.get(f"{a}.dsa_attn")  # the sparse MLA stage: attention + value-up
-        if fused is not None and x.dtype == torch.bfloat16 and fused.supports(R * T):
+        if fused is not None and kv_b.dtype == x.dtype == torch.bfloat16 and fused.supports(R * T):
+            # The absorbed query as the stage takes it, BF16: one batched GEMM on the weight
+            # as stored (FP32 accumulation, one rounding), no FP32 copy of kv_b per step.
+            q_lat = torch.einsum("rthn,hnl->rthl", q, kv_b[:, :nope])
             rows = torch.arange(R, device=x.device).repeat_interleave(T)
-            o = fused(q_lat.to(x.dtype).reshape(R * T, heads, lora), self.c.latent[layer],
+            o = fused(q_lat.reshape(R * T, heads, lora), self.c.latent[layer],
                       step.block_table, rows, topk.reshape(R * T, -1))  # fmt: skip
             return self.linear(o.reshape(R, T, heads * vd), f"{a}.o_proj.weight"), topk
+        kv_b = kv_b.float()
+        w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]
+        q_lat = torch.einsum("rthn,hnl->rthl", q.float(), w_uk)
         cached = latent[_slots(idx, step)].float()  # [R, T, W, lora]
         scores = (
             torch.einsum("rthl,rtwl->rthw", q_lat, cached) * (nope + g.qk_rope_head_dim) ** -0.5
