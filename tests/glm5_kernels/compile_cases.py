@@ -225,7 +225,7 @@ def dsa_cases(arch: int) -> int:
                                 "stride_on", "stride_oh")}}  # fmt: skip
     common = {"L": 512, "INTERPRETER": False, "PDL": True}
     cases = [(sparse_mla_split_kernel, split, {"BH": BH, "BW": BW, **common}),
-             (value_up_kernel, up, {"BN": BN, "BV": BV, **common})]  # fmt: skip
+             (value_up_kernel, up, {"BN": BN, "BV": BV, "UNROLL": 8, **common})]  # fmt: skip
     for kernel, types, constexprs in cases:
         ptx = _compile(kernel, types, constexprs, arch, num_warps=WARPS)
         assert "griddepcontrol.wait" in ptx and "st.local" not in ptx, kernel.fn.__name__

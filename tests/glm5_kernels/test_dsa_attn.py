@@ -45,8 +45,8 @@ def _close(got, want):
 
 @pytest.mark.parametrize(
     "heads, rows, requests, width, context",
-    [(3, 2, 2, 40, 50), (20, 5, 3, 150, 200), (16, 1, 1, 7, 7)],
-    ids=["few-heads", "two-head-tiles", "short-context"],
+    [(3, 2, 2, 40, 50), (20, 5, 3, 150, 200), (16, 1, 1, 7, 7), (4, 1, 1, 600, 700)],
+    ids=["few-heads", "two-head-tiles", "short-context", "merge-groups"],
 )
 def test_matches_the_reference(heads, rows, requests, width, context):
     gen = torch.Generator().manual_seed(heads + rows)
@@ -55,6 +55,8 @@ def test_matches_the_reference(heads, rows, requests, width, context):
         indices[1] = -1  # nothing selected: zero
     op = SparseMlaDecode(w_uv, scale=L**-0.5, max_rows=8)
     op.prepare()
+    if width > 8 * 32:  # more splits than the merge unrolls: groups, the last one partial
+        assert op.splits(rows, width) % 8 != 0 and op.splits(rows, width) > 16
     for splits in (None, 1):  # the plan's splits (many), then one split for everything
         if splits:
             op.splits = lambda rows, selected: 1

@@ -82,7 +82,7 @@ def value_up_kernel(
     part_o_ptr, part_ml_ptr, w_ptr, out_ptr,
     N, H, Vd, splits, stride_wh, stride_wv, stride_on, stride_oh,
     L: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr, INTERPRETER: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, UNROLL: tl.constexpr = 8,
 ):  # fmt: skip
     h, vb = tl.program_id(0), tl.program_id(1)
     v = vb * BV + tl.arange(0, BV)
@@ -97,20 +97,28 @@ def value_up_kernel(
     for n0 in range(0, N, BN):
         rows = n0 + tl.arange(0, BN)
         rm = rows < N
+        # The splits UNROLL at a time (the last group masked): their partials' loads do not
+        # wait on each other, where one split an iteration took a round trip each (~0.5 us:
+        # 65 splits made the merge most of a one-row call). A full unroll over 64 splits
+        # took minutes to compile.
         top = tl.full([BN], float("-inf"), tl.float32)
-        for sp in range(splits):
-            ml = part_ml_ptr + ((sp * N + rows) * H + h) * 2
-            top = tl.maximum(top, tl.load(ml, mask=rm, other=float("-inf")))
+        for s0 in range(0, splits, UNROLL):
+            for j in tl.static_range(UNROLL):
+                ml = part_ml_ptr + (((s0 + j) * N + rows) * H + h) * 2
+                here = rm & (s0 + j + tl.zeros_like(rows) < splits)
+                top = tl.maximum(top, tl.load(ml, mask=here, other=float("-inf")))
         base = tl.where(top == float("-inf"), 0.0, top)
         den = tl.zeros([BN], tl.float32)
         o = tl.zeros([BN, L], tl.float32)
-        for sp in range(splits):
-            row = (sp * N + rows) * H + h
-            f = tl.exp(tl.load(part_ml_ptr + row * 2, mask=rm, other=float("-inf")) - base)
-            den += f * tl.load(part_ml_ptr + row * 2 + 1, mask=rm, other=0.0)
-            part = tl.load(part_o_ptr + row[:, None] * L + lat[None, :], mask=rm[:, None],
-                           other=0.0)  # fmt: skip
-            o += f[:, None] * part
+        for s0 in range(0, splits, UNROLL):
+            for j in tl.static_range(UNROLL):
+                row = ((s0 + j) * N + rows) * H + h
+                here = rm & (s0 + j + tl.zeros_like(rows) < splits)
+                f = tl.exp(tl.load(part_ml_ptr + row * 2, mask=here, other=float("-inf")) - base)
+                den += f * tl.load(part_ml_ptr + row * 2 + 1, mask=here, other=0.0)
+                part = tl.load(part_o_ptr + row[:, None] * L + lat[None, :], mask=here[:, None],
+                               other=0.0)  # fmt: skip
+                o += f[:, None] * part
         o = o / tl.where(den > 0.0, den, 1.0)[:, None]  # no token selected: zero
         y = _dot(_narrow(o, tl.bfloat16, INTERPRETER), tl.trans(w), INTERPRETER)  # [BN, BV]
         tl.store(out_ptr + rows[:, None] * stride_on + h * stride_oh + v[None, :],
