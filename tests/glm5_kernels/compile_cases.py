@@ -224,8 +224,10 @@ def dsa_cases(arch: int) -> int:
           **{n: "i32" for n in ("N", "H", "Vd", "splits", "stride_wh", "stride_wv",
                                 "stride_on", "stride_oh")}}  # fmt: skip
     common = {"L": 512, "INTERPRETER": False, "PDL": True}
+    # The merge one split at a time (64 heads) and 8 at a time (16: attention.merge_unroll).
     cases = [(sparse_mla_split_kernel, split, {"BH": BH, "BW": BW, **common}),
-             (value_up_kernel, up, {"BN": BN, "BV": BV, "UNROLL": 8, **common})]  # fmt: skip
+             *((value_up_kernel, up, {"BN": BN, "BV": BV, "UNROLL": u, **common})
+               for u in (1, 8))]  # fmt: skip
     for kernel, types, constexprs in cases:
         ptx = _compile(kernel, types, constexprs, arch, num_warps=WARPS)
         assert "griddepcontrol.wait" in ptx and "st.local" not in ptx, kernel.fn.__name__

@@ -3,9 +3,10 @@ held rank embeds; and its tables straight from a results file."""
 
 import torch
 
-from glm5_runtime.bench import _fill_caches, _token_ids, table
+from glm5_runtime.bench import _fill_caches, _token_ids, floor_bytes, table
 from glm5_runtime.reference import ReferenceModel, geometry
-from glm5_runtime.reference.stages import _pages
+from glm5_runtime.reference.backbone import ReferenceBackbone
+from glm5_runtime.reference.stages import FUSED_PARTS, _pages
 
 
 def test_caches_are_filled_finite_and_nonzero():
@@ -33,3 +34,27 @@ def test_token_ids_embed_on_the_held_rank():
 def test_table_of_a_committed_result():
     text = table(["benchmarks/results/decode_h200_tp4.json"])
     assert "| flash-tp4-rank | 1 |" in text and "mhc, norms, reduce" in text
+
+
+def test_fused_projections_share_their_parts_bytes():
+    """The fused attention weights a stage serves are built from their parts, which become
+    views of them: no weight is held twice, and the floor counts each byte once."""
+    model = ReferenceModel.random(geometry("tiny"), max_requests=2, max_context=32)
+    rank, before = model.ranks[0], floor_bytes(model, 1, 16)
+    held = {n: t.clone() for n, t in rank.w.items()}
+    backbone = ReferenceBackbone(model)
+    built = 0
+    for layer in backbone.layers:
+        for fused, parts in FUSED_PARTS.items():
+            prefix = f"layers.{layer.index}.self_attn"
+            w = backbone.weight(0, f"{prefix}.{fused}.weight")
+            if w is None:
+                continue
+            built += 1
+            names = [f"{prefix}.{p}.weight" for p in parts]
+            assert torch.equal(w, torch.cat([held[n] for n in names]))
+            for n in names:
+                assert rank.w[n].untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+                assert torch.equal(rank.w[n], held[n])
+    assert built == len(backbone.layers)  # one per layer: in_proj (KDA) or q_a | kv_a (MLA)
+    assert floor_bytes(model, 1, 16) == before

@@ -31,7 +31,7 @@ from .decode import SpecializedDecode
 from .library import LibraryStock
 from .reference import ReferenceModel, geometry
 from .reference.backbone import ReferenceBackbone
-from .reference.stages import _pages
+from .reference.stages import FUSED_PARTS, _pages
 from .stage_timer import STAGES
 
 __all__ = ["StageMarks", "call_launches", "floor_bytes", "graph_nodes", "plot", "run", "table"]
@@ -128,7 +128,13 @@ def floor_bytes(model: ReferenceModel, batch: int, context: int) -> float:
     reads, and the KDA states read and written."""
     g = model.g
     mtp = tuple(f"layers.{i}." for i in model.mtp_layers)
-    weights = [(n, t) for rank in model.ranks for n, t in rank.w.items() if not n.startswith(mtp)]
+    weights = [
+        (n, t)
+        for rank in model.ranks
+        for n, t in rank.w.items()
+        # A fused projection's parts are views of it: their bytes count once.
+        if not n.startswith(mtp) and n.removesuffix(".weight").rpartition(".")[2] not in FUSED_PARTS
+    ]
     dense = sum(t.nbytes for n, t in weights if ".experts." not in n and "embed_tokens" not in n)
     experts = sum(t.nbytes for n, t in weights if ".experts." in n)
     e, k = g.n_routed_experts, g.num_experts_per_tok

@@ -15,6 +15,13 @@ BH, BW, BN, BV = 16, 32, 16, 64  # heads, selected tokens, query rows, value col
 WARPS = 8  # [16, 512] FP32 accumulators and [32, 512] BF16 latent tiles without spills
 
 
+def merge_unroll(heads: int) -> int:
+    """Splits the merge loads at once. H200, 2063 selected tokens: 8 at 16 heads (a TP-4
+    rank) is 0-20 % faster than one at a time at 1-4 requests; at 64 heads it is 5-35 %
+    slower (benchmarks/results/dsa_decode_h200.json), so one there."""
+    return 8 if heads <= 16 else 1
+
+
 class SparseMlaDecode:
     """A layer's value-up W_uv [H, Vd, L] BF16 (kv_b_proj's value rows per head) and the
     softmax scale; steps of up to `max_rows` query rows (requests x tokens)."""
@@ -102,8 +109,8 @@ class SparseMlaDecode:
             self._part_o, self._part_ml, self.w_uv, out,
             n, self.heads, self.vd, splits, self.w_uv.stride(0), self.w_uv.stride(1),
             out.stride(0), out.stride(1),
-            L=self.lat, BN=BN, BV=BV, INTERPRETER=self._interp, PDL=self._pdl, num_warps=WARPS,
-            launch_pdl=self._pdl,
+            L=self.lat, BN=BN, BV=BV, UNROLL=merge_unroll(self.heads), INTERPRETER=self._interp,
+            PDL=self._pdl, num_warps=WARPS, launch_pdl=self._pdl,
         )  # fmt: skip
         return out
 

@@ -81,8 +81,8 @@ def sparse_mla_split_kernel(
 def value_up_kernel(
     part_o_ptr, part_ml_ptr, w_ptr, out_ptr,
     N, H, Vd, splits, stride_wh, stride_wv, stride_on, stride_oh,
-    L: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr, INTERPRETER: tl.constexpr,
-    PDL: tl.constexpr, UNROLL: tl.constexpr = 8,
+    L: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr, UNROLL: tl.constexpr,
+    INTERPRETER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     h, vb = tl.program_id(0), tl.program_id(1)
     v = vb * BV + tl.arange(0, BV)
@@ -97,10 +97,9 @@ def value_up_kernel(
     for n0 in range(0, N, BN):
         rows = n0 + tl.arange(0, BN)
         rm = rows < N
-        # The splits UNROLL at a time (the last group masked): their partials' loads do not
-        # wait on each other, where one split an iteration took a round trip each (~0.5 us:
-        # 65 splits made the merge most of a one-row call). A full unroll over 64 splits
-        # took minutes to compile.
+        # The splits UNROLL at a time (the last group masked), so that their partials' loads
+        # need not wait on each other (attention.merge_unroll says where it pays). A full
+        # unroll over 64 splits took minutes to compile.
         top = tl.full([BN], float("-inf"), tl.float32)
         for s0 in range(0, splits, UNROLL):
             for j in tl.static_range(UNROLL):
