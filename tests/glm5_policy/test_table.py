@@ -115,11 +115,14 @@ def test_default_tables_cover_every_stage_with_the_seeds_split(family):
     assert policy("moe", 1) == "per_route" and policy("moe", MAX_TOKENS) == "grouped"
     # Measured off: on the H200 the skinny LM head is only at parity with cuBLAS at TP 1
     # (0.95-1.04x over three runs, benchmarks/results/skinny_gemm_h200.json), so SM90 keeps
-    # the stock head. Off until the step is measured with them: the fused KDA step (faster
-    # than vLLM's ops only below ~128 heads a step) and the sparse MLA decode (not yet run on
-    # a GPU), on both families.
-    off = {"kda", "dsa_attn"} | ({"logits_head"} if family == "sm90" else set())
+    # the stock head. The fused KDA step beats vLLM's KDA ops at every measured step of
+    # 1-4 tokens on the H200 (1.14-1.9x, benchmarks/results/kda_decode_h200.json), not at
+    # every 8-token one: SM90 runs it at 1-4 tokens; SM100 keeps it off until measured there.
+    # The sparse MLA decode stays off on both (not measured against vLLM's own kernel).
+    off = {"dsa_attn"} | ({"logits_head"} if family == "sm90" else {"kda"})
     assert {stage for stage in STAGES if not policy.enabled(stage)} == off
+    if family == "sm90":
+        assert [policy("kda", m) for m in (1, 4, 5)] == ["fused", "fused", None]
 
 
 def problems_of(obj, **kw):

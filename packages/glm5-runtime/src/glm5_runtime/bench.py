@@ -362,17 +362,21 @@ def table(result_paths: list[str]) -> str:
         "| vs reference | vs library | specialized × floor | kernels (ref / lib / spec) |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
+
+    def cell(row: dict, key: str, digits: int) -> str:
+        return f"{row[key]:.{digits}f}" if key in row else "–"  # a stock not timed (--stock)
+
     for r in results:
         for row in r["rows"]:
             kernels = " / ".join(
-                str((row["nodes"].get(side) or {}).get("kernel", "?"))
+                str((row["nodes"].get(side) or {}).get("kernel", "–"))
                 for side in ("reference", "library", "specialized")
             )
             out.append(
-                f"| {r['geometry']} | {row['tokens']} | {row.get('reference_ms', 0):.1f} "
-                f"| {row.get('library_ms', 0):.1f} | {row['specialized_ms']:.1f} "
-                f"| {row['floor_ms']:.2f} | {row.get('speedup_vs_reference', 0):.2f} "
-                f"| {row.get('speedup_vs_library', 0):.2f} | {row['specialized_to_floor']:.0f} "
+                f"| {r['geometry']} | {row['tokens']} | {cell(row, 'reference_ms', 1)} "
+                f"| {cell(row, 'library_ms', 1)} | {row['specialized_ms']:.1f} "
+                f"| {row['floor_ms']:.2f} | {cell(row, 'speedup_vs_reference', 2)} "
+                f"| {cell(row, 'speedup_vs_library', 2)} | {row['specialized_to_floor']:.1f} "
                 f"| {kernels} |"
             )
     stages = [*STAGES, BETWEEN]
