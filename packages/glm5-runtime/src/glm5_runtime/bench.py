@@ -338,9 +338,9 @@ def plot(result_paths: list[str], out: str) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
     for ax, r in zip(axes[0], results, strict=True):
         x = [row["tokens"] for row in r["rows"]]
-        for key, label in LINES:
+        for i, (key, label) in enumerate(LINES):  # one colour a line in every panel
             if key in r["rows"][0]:
-                ax.plot(x, [row[key] for row in r["rows"]], marker="o", label=label)
+                ax.plot(x, [row[key] for row in r["rows"]], marker="o", label=label, color=f"C{i}")
         ax.set(xscale="log", yscale="log", xlabel="tokens per step", ylabel="ms per step",
                title=f"{r['geometry']} ({r['gpu']}, ctx {r['context']})")  # fmt: skip
         ax.set_xticks(x, [str(v) for v in x])
