@@ -1,15 +1,19 @@
-"""The sparse MLA decode of a DSA layer (stage `dsa_attn`: attention over the indexer's
-selection + the value-up) at GLM-5.3-Flash's shapes — latent 512, value dim 256, the top-2048
-tokens + the 15-token tail selected, blocks of 64 tokens — for 64 heads (TP 1) and 16 (a TP-4
-rank): `SparseMlaDecode` (two launches) vs the torch reference (`sparse_mla_decode_ref`, the
-reference backbone's MLA core) and the HBM floor.
+"""The DSA layer's stages at GLM-5.3-Flash's shapes:
 
-Floor: the bytes a call must move ÷ `hbm_bandwidth()` of the same run — every row's selected
-latents (its own selection: rows of one request overlap, but a kernel reading them per row
-is what the floor judges), the absorbed queries, W_uv once, the output. Contexts only size
-the cache and the block table (the selection is 2063 tokens once the context holds them).
-Timing: CUDA-graph replays, median; every call in a graph on its own selection (more than L2
-in all). Each case checks ours against the reference first.
+- `dsa_indexer`: the selection (`IndexerTopk`, one launch) — 32 indexer heads of 128 score
+  every visible pool of 16 tokens in vLLM's FP8 pages, the top 2048 tokens + the 15-token
+  tail selected — vs `index_topk_ref` (torch); floor: each row's pages, queries and output;
+- `dsa_attn`: the sparse MLA decode (attention over the selection + the value-up,
+  `SparseMlaDecode`, two launches) — latent 512, value dim 256, blocks of 64 tokens — for 64
+  heads (TP 1) and 16 (a TP-4 rank) vs `sparse_mla_decode_ref` (the reference backbone's MLA
+  core); floor: every row's selected latents (its own selection: rows of one request
+  overlap, but a kernel reading them per row is what the floor judges), the absorbed
+  queries, W_uv once, the output.
+
+Floors divide by `hbm_bandwidth()` of the same run. Contexts size the cache and the block
+table (the attention's selection is 2063 tokens once the context holds them). Timing:
+CUDA-graph replays, median; every call in a graph on its own inputs (more than L2 in all).
+Each case checks ours against the reference first.
 
     PYTHONPATH=packages/glm5-kernels/src:packages/glm5-runtime/src:packages/glm5-policy/src \\
         python benchmarks/dsa_decode.py --out benchmarks/results/dsa_decode_h200.json
@@ -25,7 +29,14 @@ import time
 import torch
 from provenance import floor_bandwidth, provenance, result_args, write_result
 
-from glm5_kernels.dsa import SparseMlaDecode, sparse_mla_decode_ref
+from glm5_kernels.dsa import (
+    IndexerTopk,
+    SparseMlaDecode,
+    index_topk_ref,
+    pack_kpool_pages_ref,
+    rotate_quant_fp8_ref,
+    sparse_mla_decode_ref,
+)
 from glm5_kernels.timing import graph_calls_us
 from glm5_runtime.bench import call_launches
 
@@ -71,12 +82,50 @@ def case(op, heads, requests, q, context, bw, gen) -> dict:
             "max_rel_error": err.item(), "copies": copies}  # fmt: skip
 
 
+IH, IHD, KP = 32, 128, 16  # the indexer: heads, head dim, tokens a pool
+
+
+def indexer_case(requests, q, context, bw, gen) -> dict:
+    """Stage `dsa_indexer`: every visible pool of each row scored (vLLM's FP8 pages through
+    the block table), the top 2048 tokens + tail selected. Floor: each row's pages (a request's
+    rows share them, but a kernel reading them per row is what it judges), q, the output."""
+    rows, per = requests * q, -(-context // BS)
+    s = BS // KP
+    blocks = requests * per
+    k8, ks = rotate_quant_fp8_ref(torch.randn(blocks, s, IHD, generator=gen, device="cuda"))
+    pages = pack_kpool_pages_ref(k8, ks)
+    table = torch.randperm(blocks, generator=gen, device="cuda").view(requests, per).int()
+    request = torch.arange(requests, device="cuda").repeat_interleave(q).int()
+    positions = (context - q + torch.arange(q, device="cuda")).repeat(requests).int()
+    pools = per * s
+    op = IndexerTopk(IH, IHD, kpool=KP, topk=2048, tail=True, max_rows=rows, max_pools=pools)
+    op.prepare()
+    per_call = rows * (pools * (IHD + 4) + IH * (IHD + 8) + op.width * 4)
+    copies = max(2, min(32, math.ceil(2 * L2_BYTES / per_call)))
+    calls = []
+    for _ in range(copies):
+        q8, q_scale = rotate_quant_fp8_ref(torch.randn(rows, IH, IHD, generator=gen, device="cuda"))
+        calls.append((q8, q_scale, torch.randn(rows, IH, generator=gen, device="cuda")))
+    ours = [lambda c=c: op(*c, pages, table, request, positions) for c in calls]
+    kw = dict(topk=2048, kpool=KP, tail=True, width=op.width)
+    ref = [lambda c=c: index_topk_ref(*c, pages, table, request, positions, **kw) for c in calls]
+    same = torch.equal(ours[0]().long(), ref[0]())
+    floor = per_call / bw * 1e6
+    us = graph_calls_us(ours)
+    return {"stage": "dsa_indexer", "heads": IH, "context": context, "requests": requests,
+            "q": q, "us": us, "ref_us": graph_calls_us(ref[:2]), "floor_us": floor,
+            "floor_ratio": us / floor, "launches": call_launches(ours[0]),
+            "splits": op.splits(rows, pools), "equal_to_reference": same,
+            "copies": copies}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--heads", default="16,64")
     parser.add_argument("--contexts", default="4096,16384,65536,131072")
     parser.add_argument("--requests", default="1,2,4,8,16,32,64")
     parser.add_argument("--q", default="1,4")
+    parser.add_argument("--stages", default="dsa_attn,dsa_indexer")
     result_args(parser)
     args = parser.parse_args()
     if args.table:
@@ -85,7 +134,26 @@ def main() -> None:
     gen = torch.Generator("cuda").manual_seed(0)
     bw = floor_bandwidth()
     rows, start = [], time.perf_counter()
-    for heads in (int(h) for h in args.heads.split(",")):
+    stages = args.stages.split(",")
+
+    def record(row: dict) -> None:
+        rows.append(row)
+        result = provenance("dsa_decode", args) | {
+            "hbm_bytes_per_s": bw, "rows": rows, "seconds": time.perf_counter() - start,
+        }  # fmt: skip
+        write_result(args.out, result)  # after every case: a cut run keeps its rows
+
+    if "dsa_indexer" in stages:
+        for context in (int(c) for c in args.contexts.split(",")):
+            for q in (int(x) for x in args.q.split(",")):
+                for r in (int(x) for x in args.requests.split(",")):
+                    row = indexer_case(r, q, context, bw, gen)
+                    record(row)
+                    print(f"indexer ctx={context:6d} R={r:2d} q={q}: {row['us']:8.2f} µs "
+                          f"(floor {row['floor_us']:7.2f}, ×{row['floor_ratio']:.2f}) ref "
+                          f"{row['ref_us']:9.1f} [{row['launches']} launches, {row['splits']} "
+                          f"splits] equal {row['equal_to_reference']}")  # fmt: skip
+    for heads in (int(h) for h in args.heads.split(",")) if "dsa_attn" in stages else ():
         w_uv = (torch.randn(heads, VD, L, generator=gen, device="cuda") / L**0.5).bfloat16()
         op = SparseMlaDecode(w_uv, SCALE, max_rows=256)
         op.prepare()
@@ -95,16 +163,11 @@ def main() -> None:
                     if r * math.ceil(context / BS) * BS * L * 2 > (24 << 30):
                         continue  # the cache alone past 24 GiB
                     row = case(op, heads, r, q, context, bw, gen)
-                    rows.append(row)
                     print(f"H={heads:2d} ctx={context:6d} R={r:2d} q={q}: {row['us']:8.2f} µs "
                           f"(floor {row['floor_us']:7.2f}, ×{row['floor_ratio']:.2f}) ref "
                           f"{row['ref_us'] or float('nan'):9.1f} [{row['launches']} launches, "
                           f"{row['splits']} splits] err {row['max_rel_error']:.1e}")  # fmt: skip
-                    result = provenance("dsa_decode", args) | {
-                        "hbm_bytes_per_s": bw, "rows": rows,
-                        "seconds": time.perf_counter() - start,
-                    }  # fmt: skip
-                    write_result(args.out, result)  # after every case: a cut run keeps its rows
+                    record(row)
 
 
 def table(path: str) -> str:
@@ -113,13 +176,14 @@ def table(path: str) -> str:
     out = [
         f"{result['gpu']}, {result['date']}, commit {result['commit']}: `{result['command']}`",
         "",
-        "| heads | context | requests | q | µs (× floor) | launches | reference µs |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| stage | heads | context | requests | q | µs (× floor) | launches | reference µs |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["rows"]:
         ref = f"{r['ref_us']:.1f}" if r["ref_us"] else "-"
         out.append(
-            f"| {r['heads']} | {r['context']} | {r['requests']} | {r['q']} | {r['us']:.1f} "
+            f"| {r['stage']} | {r['heads']} | {r['context']} | {r['requests']} | {r['q']} "
+            f"| {r['us']:.1f} "
             f"({r['floor_ratio']:.2f}×) | {r['launches']} | {ref} |"
         )
     return "\n".join(out)

@@ -236,6 +236,29 @@ def dsa_cases(arch: int) -> int:
     return len(cases)
 
 
+def indexer_cases(arch: int) -> int:
+    """The indexer's selection at GLM-5.3-Flash's shapes (32 heads of 128, pools of 16, the
+    top 2048 tokens + tail) for block tables up to 128k tokens (8192 pools)."""
+    from glm5_kernels.dsa.indexer import BC, BP, WARPS
+    from glm5_kernels.dsa.triton_indexer import indexer_topk_kernel
+
+    types = {"q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "w_ptr": "*fp32", "page_ptr": "*u8",
+             "scale_ptr": "*fp32", "bt_ptr": "*i32", "req_ptr": "*i32", "pos_ptr": "*i32",
+             "score_ptr": "*fp32", "pool_ptr": "*i32", "count_ptr": "*i32", "out_ptr": "*i32",
+             "weight_scale": "fp32",
+             **{n: "i32" for n in ("P", "S", "per_split", "count", "width", "stride_qn",
+                                   "stride_qh", "stride_wn", "stride_bt", "stride_on")},
+             }  # fmt: skip
+    constexprs = {"IH": 32, "H": 32, "HD": 128, "KP": 16, "BP": BP, "PMAX": 8192, "BC": BC,
+                  "TAIL": True, "PDL": True}  # fmt: skip
+    ptx = _compile(indexer_topk_kernel, types, constexprs, arch, num_warps=WARPS)
+    assert "griddepcontrol.wait" in ptx and "atom" in ptx, "indexer"
+    assert "st.local" not in ptx, "indexer: register spills"
+    if arch == 90:  # FP8 tensor cores
+        assert "mma" in ptx and "e4m3" in ptx, "indexer"
+    return 1
+
+
 if __name__ == "__main__":
     arch = int(sys.argv[1])
     gemm = bf16_cases(arch) + fp8_cases(arch)
@@ -243,4 +266,4 @@ if __name__ == "__main__":
     print(f"sm{arch}: compiled {moe_cases(arch)} MoE kernels")
     print(f"sm{arch}: compiled {mhc_cases(arch)} mHC kernels")
     print(f"sm{arch}: compiled {kda_cases(arch)} KDA kernels")
-    print(f"sm{arch}: compiled {dsa_cases(arch)} DSA kernels")
+    print(f"sm{arch}: compiled {dsa_cases(arch) + indexer_cases(arch)} DSA kernels")

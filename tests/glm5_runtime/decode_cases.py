@@ -3,7 +3,7 @@ and `shadow`, which makes each stage op also run the stock op it replaces on the
 
 import torch
 
-from glm5_kernels.dsa import sparse_mla_decode_ref
+from glm5_kernels.dsa import index_topk_ref, sparse_mla_decode_ref
 from glm5_kernels.kda import kda_decode_ref
 
 # The MoE stage: per-route at 1-4 tokens, grouped at 5-16 and 33-64 (16-token groups cut
@@ -14,6 +14,7 @@ ALL_STAGES = {
     "boundary": {"1-16": "nvlink", "21-64": "nvlink"},
     "kda": {"1-64": "fused"},
     "dsa_attn": {"1-64": "sparse"},
+    "dsa_indexer": {"1-64": "fused"},
     **{
         stage: {"1-64": choice}
         for stage, choice in [
@@ -41,6 +42,7 @@ ALL_STAGES = {
 CALL_BOUND = {
     "Projection": 4e-3, "Router": 1e-5, "SharedExpert": 2**-4, "DenseMlp": 2**-4,
     "MoeLayer": 2**-4, "KdaDecode": 2**-7, "KdaState": 2**-7, "SparseMlaDecode": 2**-7,
+    "IndexerTopk": 0.0,
 }  # fmt: skip
 
 
@@ -67,6 +69,13 @@ class Shadow:
     def __call__(self, x, *args, **kw):
         if type(self.op).__name__ == "KdaDecode":
             return self._kda(x, *args, **kw)
+        if type(self.op).__name__ == "IndexerTopk":  # the selection: the same tokens
+            y = self.op(x, *args, **kw)
+            op = self.op
+            ref = index_topk_ref(x, *args, topk=op.topk, kpool=op.kpool, tail=op.tail,
+                                 width=op.width)  # fmt: skip
+            self.pairs.append(("IndexerTopk", self.name, y.long(), ref))
+            return y
         if type(self.op).__name__ == "SparseMlaDecode":
             y = self.op(x, *args, **kw)
             ref = sparse_mla_decode_ref(x, *args, self.op.w_uv, self.op.scale)

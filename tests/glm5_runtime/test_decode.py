@@ -73,7 +73,7 @@ def test_planned_steps_equal_stock(q):
     kinds = {op.__class__.__name__ for op, _ in decode.ops}
     assert kinds == {
         "Projection", "Router", "SharedExpert", "DenseMlp", "MoeLayer", "MhcBoundary", "KdaDecode",
-        "SparseMlaDecode",
+        "SparseMlaDecode", "IndexerTopk",
     }  # fmt: skip
     assert decode.mhc is not None and decode.mhc_tokens == {q, q * q}
     assert decode.batches == [q, q * q]
@@ -162,7 +162,14 @@ def test_stage_that_cannot_build_warns_once_and_runs_stock(caplog):
     assert any("moe runs stock" in w for w in warned)
     kinds = {op.__class__.__name__ for op, _ in decode.ops}
     # The BF16 ones build.
-    assert kinds == {"Projection", "Router", "MhcBoundary", "KdaDecode", "SparseMlaDecode"}
+    assert kinds == {
+        "Projection",
+        "Router",
+        "MhcBoundary",
+        "KdaDecode",
+        "SparseMlaDecode",
+        "IndexerTopk",
+    }
     routed = {name for _, name, _ in decode.routes[2]}
     assert not any(name.endswith((".mlp", ".shared_experts")) for name in routed)
 
@@ -191,7 +198,14 @@ def test_stage_that_cannot_compile_warns_once_and_runs_stock(caplog, monkeypatch
     assert decode.mhc is None  # planned steps run the stock boundaries
     kinds = {op.__class__.__name__ for op, _ in decode.ops}
     # shared: served again
-    assert kinds == {"Projection", "SharedExpert", "DenseMlp", "KdaDecode", "SparseMlaDecode"}
+    assert kinds == {
+        "Projection",
+        "SharedExpert",
+        "DenseMlp",
+        "KdaDecode",
+        "SparseMlaDecode",
+        "IndexerTopk",
+    }
     assert not any(name.endswith(".gate.weight") for _, name, _ in decode.routes[2])
     assert not any(type(op).__name__ == "MoeLayer" for _, _, op in decode.routes[2])
     assert decode.head  # the other stages are untouched
@@ -208,7 +222,14 @@ def test_draft_steps_equal_stock():
     draft = SpecializedDraft(ReferenceBackbone(spec), config)
     draft.prepare()
     kinds = {op.__class__.__name__ for op, _ in draft.ops}
-    assert kinds == {"Projection", "Router", "SharedExpert", "MoeLayer", "SparseMlaDecode"}
+    assert kinds == {
+        "Projection",
+        "Router",
+        "SharedExpert",
+        "MoeLayer",
+        "SparseMlaDecode",
+        "IndexerTopk",
+    }
     assert not any(type(op).__name__ == "Router" for _, _, op in draft.routes[2])  # in MoE
     routed = {name for _, name, _ in draft.routes[2]}
     assert f"layers.{g.num_hidden_layers}.eh_proj.weight" in routed

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from glm5_kernels.dsa import SparseMlaDecode
+from glm5_kernels.dsa import IndexerTopk, SparseMlaDecode
 from glm5_kernels.gemm import DenseMlp, Projection, Router, SharedExpert
 from glm5_kernels.kda import KdaDecode
 from glm5_kernels.mhc import MhcBoundary
@@ -85,6 +85,7 @@ class LayerStages:
         self._build("moe", self._moe)
         self._build("kda", self._kda, choice="fused")
         self._build("dsa_attn", self._dsa_attn, choice="sparse")
+        self._build("dsa_indexer", self._dsa_indexer, choice="fused")
         # `split_gate` is not built yet: say so once rather than run stock without a word.
         split = [m for m in self.batches if self.policy("kda", m) == "split_gate"]
         if split and any(x.attention == "kda" for x in self.layers):
@@ -244,6 +245,23 @@ class LayerStages:
                 op = SparseMlaDecode(w_uv.to(torch.bfloat16), mla.scale, max_rows=max(tokens))
                 self._add(op, tokens, shard, f"{p}.dsa_attn")
 
+    def _dsa_indexer(self, tokens: list[int]) -> None:
+        """Each full indexer layer's pool scoring and top-k selection as one `IndexerTopk`
+        launch, after the pool write (route `self_attn.indexer.topk`; vLLM's FP8 pages)."""
+        b, ix = self.backbone, self.backbone.indexer
+        if ix is None:
+            raise ValueError("the backbone's indexers do not take the selection stage "
+                             "(Backbone.indexer)")  # fmt: skip
+        for layer in (x for x in self.layers if x.attention == "mla"):
+            for shard in b.shards:
+                p = f"layers.{layer.index}.self_attn.indexer"
+                if b.weight(shard, f"{p}.wk.weight") is None:
+                    continue  # a shared indexer layer: it reuses the last full layer's list
+                op = IndexerTopk(ix.heads, ix.head_dim, kpool=ix.kpool, topk=ix.topk,
+                                 tail=ix.tail, max_rows=max(tokens), max_pools=ix.max_pools,
+                                 device=b.weight(shard, f"{p}.wk.weight").device)  # fmt: skip
+                self._add(op, tokens, shard, f"{p}.topk")
+
     def prepare(self) -> set[str]:
         """Compile every stage op for its token counts (before any CUDA-graph capture). A
         stage whose kernels fail to compile warns once and runs stock; returns those stages."""
@@ -344,6 +362,23 @@ class SpecializedDecode(LayerStages):
         self._add(op, tokens, None, None)  # not a route: `run` calls it
         self.mhc, self.mhc_tokens, self._sites = op, frozenset(tokens), sites
         self._final_norm = final
+
+    def _dsa_indexer(self, tokens: list[int]) -> None:
+        """Each full indexer layer's pool scoring and top-k selection as one `IndexerTopk`
+        launch, after the pool write (route `self_attn.indexer.topk`; vLLM's FP8 pages)."""
+        b, ix = self.backbone, self.backbone.indexer
+        if ix is None:
+            raise ValueError("the backbone's indexers do not take the selection stage "
+                             "(Backbone.indexer)")  # fmt: skip
+        for layer in (x for x in self.layers if x.attention == "mla"):
+            for shard in b.shards:
+                p = f"layers.{layer.index}.self_attn.indexer"
+                if b.weight(shard, f"{p}.wk.weight") is None:
+                    continue  # a shared indexer layer: it reuses the last full layer's list
+                op = IndexerTopk(ix.heads, ix.head_dim, kpool=ix.kpool, topk=ix.topk,
+                                 tail=ix.tail, max_rows=max(tokens), max_pools=ix.max_pools,
+                                 device=b.weight(shard, f"{p}.wk.weight").device)  # fmt: skip
+                self._add(op, tokens, shard, f"{p}.topk")
 
     def prepare(self) -> set[str]:
         failed = super().prepare()

@@ -21,7 +21,7 @@ from glm5_kernels.mhc import MhcConfig
 
 from .plan import Rows
 
-__all__ = ["Backbone", "Kda", "KdaPlacement", "Layer", "Mla", "Route", "Routing"]
+__all__ = ["Backbone", "Indexer", "Kda", "KdaPlacement", "Layer", "Mla", "Route", "Routing"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,20 @@ class Mla:
     nope_dim: int
     v_dim: int
     scale: float
+
+
+@dataclass(frozen=True)
+class Indexer:
+    """What the indexer selection stage needs: its heads and head dim, tokens a pool, tokens
+    selected, whether the incomplete last pool is always selected (its kpool - 1 tokens
+    follow), and the most pools a request's block table holds."""
+
+    heads: int
+    head_dim: int
+    kpool: int
+    topk: int
+    tail: bool
+    max_pools: int
 
 
 @dataclass(frozen=True)
@@ -124,6 +138,13 @@ class Backbone(Protocol):
     # [N, H, v_dim] o_proj reads; its weight `layers.{i}.self_attn.kv_b_proj.weight`. None:
     # the attention core stays stock.
     mla: Mla | None
+    # Where the backbone's full indexer layers take the selection stage (seam 5): the route
+    # `layers.{i}.self_attn.indexer.topk` gets the rotated FP8 queries [N, H, hd], their
+    # scales and head weights [N, H] FP32, the layer's pool pages [blocks, S, hd + 4] uint8,
+    # the step's block table, each row's request and position, and returns the selected
+    # token positions [N, topk (+ kpool - 1)] (glm5_kernels.dsa.index_topk_ref). None: the
+    # selection stays stock.
+    indexer: Indexer | None
     aux_layers: tuple[int, ...]  # layers whose hidden states a drafter collects
     # Attention weights holding several HF projections in one tensor, as the backbone runs
     # them: fused name (under a layer's `self_attn.`) -> the projections in it a stage may

@@ -98,7 +98,7 @@ class VllmBackbone:
                          if x.attention == "kda"])  # fmt: skip
         # The sparse MLA stage's route into vLLM's MLA layer (its latent cache, block table
         # and the indexer's selection as neutral tensors) is not wired yet: MLA stays vLLM's.
-        self.mla = None
+        self.mla = self.indexer = None
         self.mhc = _mhc(config, [self.decoder.layers[x.index] for x in self.layers],
                         getattr(self.decoder, "norm", None))  # fmt: skip
         self._routes: dict[nn.Module, dict[int | None, Any]] = {}

@@ -14,7 +14,7 @@ from glm5_kernels.mhc import MhcConfig, hc_expand_ref, hc_head_ref, hc_post_ref
 from glm5_kernels.norm import rms_norm_ref
 
 from ..plan import Rows
-from ..protocol import Kda, Layer, Mla, Routing
+from ..protocol import Indexer, Kda, Layer, Mla, Routing
 from .model import ReferenceModel
 from .stages import FUSED_PARTS, Step, reduce
 
@@ -47,6 +47,11 @@ class ReferenceBackbone:
         self.kda = Kda(g.linear_lower_bound, g.rms_norm_eps)  # RankStages.kda routes `.kda`
         scale = (g.qk_nope_head_dim + g.qk_rope_head_dim) ** -0.5
         self.mla = Mla(g.qk_nope_head_dim, g.v_head_dim, scale)  # RankStages.mla: `.dsa_attn`
+        pools = -(-model.max_context // model.block_size) * model.block_size // g.index_kpool
+        self.indexer = Indexer(  # RankStages.indexer: `.indexer.topk` (vLLM's FP8 pages)
+            g.index_n_heads, g.index_head_dim, g.index_kpool, g.index_topk,
+            bool(g.index_kpool_always_select_tail and g.index_kpool > 1), pools,
+        )  # fmt: skip
         # hc_mix_ref's post multiplier is GLM-5.3-Flash's 2.0; every norm uses rms_norm_eps.
         self.mhc = MhcConfig(
             hc=g.hc_mult, hidden=g.hidden_size, rms_eps=g.rms_norm_eps, hc_eps=g.hc_eps,

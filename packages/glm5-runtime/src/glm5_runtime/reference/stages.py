@@ -15,7 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from glm5_kernels.dsa import index_logits_fp8_ref, kpool_compress_ref, rotate_quant_fp8_ref
+from glm5_kernels.dsa import (
+    index_logits_fp8_ref,
+    kpool_compress_ref,
+    rotate_quant_fp8_ref,
+    select_tokens_ref,
+)
 from glm5_kernels.gemm import quantize_tokens_fp8_ref
 from glm5_kernels.kda import kda_decode_ref, kda_recurrence_ref
 from glm5_kernels.moe import experts_ref, route_ref, swiglu_ref
@@ -259,19 +264,25 @@ class RankStages:
         done = (pos + 1) % kp == 0
         target = torch.where(done, _slots(pool * kp, step) // kp, 0)  # block * S + pool
         pools_per_block = kpool.shape[1]
-        ends = (
-            torch.arange(step.block_table.shape[1] * pools_per_block, device=pos.device) + 1
-        ) * kp - 1
+        tail_on = bool(g.index_kpool_always_select_tail and kp > 1)
+        width = g.index_topk + (kp - 1 if tail_on else 0)
         if vllm:
             fp8, scale = rotate_quant_fp8_ref(kpool_compress_ref(keys, scores, ape))
             page_keys, page_scales = _pages(kpool)
             at = (target // pools_per_block, target % pools_per_block)  # (block, pool in block)
             page_keys[at] = fp8.view(torch.uint8)
             page_scales[at] = scale
-            pool_keys = page_keys[step.block_table].reshape(R, -1, hd).view(torch.float8_e4m3fn)
-            pool_scales = page_scales[step.block_table].reshape(R, -1)
             q8, q_scale = rotate_quant_fp8_ref(q)
             weights = F.linear(x.float(), self.w[f"{n}.weights_proj.weight"].float())
+            fused = self.routes.get(f"{n}.topk")  # the selection stage: scores + top-k
+            if fused is not None and fused.supports(R * T):
+                rows = torch.arange(R, device=x.device).repeat_interleave(T)
+                tokens = fused(q8.reshape(R * T, ih, hd), q_scale.reshape(R * T, ih),
+                               weights.reshape(R * T, ih), kpool, step.block_table, rows,
+                               pos.reshape(R * T))  # fmt: skip
+                return tokens.view(R, T, width).long()
+            pool_keys = page_keys[step.block_table].reshape(R, -1, hd).view(torch.float8_e4m3fn)
+            pool_scales = page_scales[step.block_table].reshape(R, -1)
             index_scores = index_logits_fp8_ref(
                 q8, q_scale, weights, pool_keys[:, None], pool_scales[:, None]
             )
@@ -283,23 +294,9 @@ class RankStages:
             s = F.relu(torch.einsum("rtih,rph->rtip", q.float(), pools.float()) * hd**-0.5)
             weights = F.linear(x, self.w[f"{n}.weights_proj.weight"]).float() * ih**-0.5
             index_scores = torch.einsum("rti,rtip->rtp", weights, s)
-        # Score every pool of the request's blocks; pools ending after the query are masked.
-        visible = ends <= pos[..., None]  # [R, T, P]
-        index_scores = index_scores.masked_fill(~visible, float("-inf"))
-        count = min(g.index_topk // kp, ends.shape[0])
-        chosen = index_scores.topk(count, dim=-1).indices
-        chosen_ok = visible.gather(-1, chosen)
-        tokens = chosen[..., None] * kp + torch.arange(kp, device=pos.device)
-        tokens = tokens.masked_fill(~chosen_ok[..., None], -1).flatten(-2)
-        width = g.index_topk
-        if g.index_kpool_always_select_tail and kp > 1:
-            offsets = torch.arange(kp - 1, device=pos.device)
-            filled = (pos + 1) % kp
-            tail = (pos + 1 - filled)[..., None] + offsets
-            tail = tail.masked_fill(offsets >= filled[..., None], -1)
-            tokens = torch.cat([tokens, tail], dim=-1)
-            width += kp - 1
-        return F.pad(tokens, (0, width - tokens.shape[-1]), value=-1)
+        # Every pool of the request's blocks scored; those ending after the query are masked;
+        # ties go to the earlier pool; the selection in pool order (select_tokens_ref).
+        return select_tokens_ref(index_scores, pos, g.index_topk, kp, tail_on, width)
 
     # MLPs.
     def dense_mlp(self, layer: int, x: Tensor) -> Tensor:
