@@ -362,3 +362,47 @@ def test_kda_stage_needs_the_backbones_route_and_split_gate_says_it_is_not_built
     ]
     assert any(name.endswith(".kda") for _, name, _ in decode.routes[2])
     assert not any(name.endswith(".kda") for _, name, _ in decode.routes[4])
+
+
+def test_indexer_stage_selects_as_stock():
+    """The selection stage alone, where it must choose (top 2 of up to 16 pools, tiny's
+    index_topk 8 of pools of 4): every call equal to the reference's selection, and the
+    planned steps equal to stock (nothing else differs)."""
+    g = _small()
+    stock, spec = (_model(g) for _ in range(2))
+    policy = {stage: None for stage in ALL_STAGES} | {"dsa_indexer": {"1-64": "fused"}}
+    decode = _decoder(spec, policy=policy)
+    assert {type(op).__name__ for op, _ in decode.ops} == {"IndexerTopk"}
+    pairs = []
+    shadow(decode, spec, pairs)
+    gen = torch.Generator().manual_seed(11)
+    requests = [0, 1]
+    prompt = torch.randint(0, g.vocab_size, (Q, 9), generator=gen)
+    for m in (stock, spec):
+        assert [m.add() for _ in requests] == requests
+        m.forward(requests, prompt)
+    chose = 0
+    for i in range(6):
+        verify = i % 2 == 1
+        t = Q if verify else 1
+        tokens = torch.randint(0, g.vocab_size, (Q, t), generator=gen)
+        h_stock = stock.forward(requests, tokens, verify=verify)
+
+        def planned(tokens, step):
+            decision = decode.plan(step, capturing=True)
+            assert decision.step is not None, decision.reason
+            return decode.run(decision.step, tokens, step)
+
+        h_spec = spec.forward(requests, tokens, verify=verify, run=planned)
+        assert pairs and all(kind == "IndexerTopk" for kind, *_ in pairs)
+        check_calls(pairs)  # each selection equal to the reference's on the same scores
+        for _, _, y, _ in pairs:
+            picked = (y[:, : g.index_topk] >= 0).sum(1) // g.index_kpool
+            chose += int((picked == g.index_topk // g.index_kpool).sum())
+        pairs.clear()
+        assert torch.equal(h_spec, h_stock), i
+        if verify:
+            for m in (stock, spec):
+                for r in requests:
+                    m.accept(r, 1)
+    assert chose > 0  # rows with more visible pools than it keeps
