@@ -343,7 +343,7 @@ def test_boundaries_need_glms_mhc_and_their_weights(caplog):
 
 
 def test_kda_stage_needs_the_backbones_route_and_split_gate_says_it_is_not_built(caplog):
-    """A backbone whose KDA layers take no fused stage (`kda` None, as vLLM's adapter today)
+    """A backbone whose KDA layers take no fused stage (`kda` None)
     keeps them stock with one warning; a policy picking `split_gate` (not built) says so."""
     model = _model(_small())
     backbone = ReferenceBackbone(model)

@@ -363,23 +363,6 @@ class SpecializedDecode(LayerStages):
         self.mhc, self.mhc_tokens, self._sites = op, frozenset(tokens), sites
         self._final_norm = final
 
-    def _dsa_indexer(self, tokens: list[int]) -> None:
-        """Each full indexer layer's pool scoring and top-k selection as one `IndexerTopk`
-        launch, after the pool write (route `self_attn.indexer.topk`; vLLM's FP8 pages)."""
-        b, ix = self.backbone, self.backbone.indexer
-        if ix is None:
-            raise ValueError("the backbone's indexers do not take the selection stage "
-                             "(Backbone.indexer)")  # fmt: skip
-        for layer in (x for x in self.layers if x.attention == "mla"):
-            for shard in b.shards:
-                p = f"layers.{layer.index}.self_attn.indexer"
-                if b.weight(shard, f"{p}.wk.weight") is None:
-                    continue  # a shared indexer layer: it reuses the last full layer's list
-                op = IndexerTopk(ix.heads, ix.head_dim, kpool=ix.kpool, topk=ix.topk,
-                                 tail=ix.tail, max_rows=max(tokens), max_pools=ix.max_pools,
-                                 device=b.weight(shard, f"{p}.wk.weight").device)  # fmt: skip
-                self._add(op, tokens, shard, f"{p}.topk")
-
     def prepare(self) -> set[str]:
         failed = super().prepare()
         if "logits_head" in failed:

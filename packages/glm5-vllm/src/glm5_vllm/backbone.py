@@ -96,8 +96,9 @@ class VllmBackbone:
         self._hc = config.hc_mult
         self.kda = kda_constants([self.decoder.layers[x.index].self_attn for x in self.layers
                          if x.attention == "kda"])  # fmt: skip
-        # The sparse MLA stage's route into vLLM's MLA layer (its latent cache, block table
-        # and the indexer's selection as neutral tensors) is not wired yet: MLA stays vLLM's.
+        # The sparse MLA and indexer selection stages' routes into vLLM's MLA layer (its
+        # latent and pool caches, block table and selection as neutral tensors) are not
+        # wired yet: MLA stays vLLM's.
         self.mla = self.indexer = None
         self.mhc = _mhc(config, [self.decoder.layers[x.index] for x in self.layers],
                         getattr(self.decoder, "norm", None))  # fmt: skip
