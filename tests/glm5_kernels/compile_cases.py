@@ -259,6 +259,24 @@ def indexer_cases(arch: int) -> int:
     return 1
 
 
+def kpool_cases(arch: int) -> int:
+    """The indexer's pool write at GLM-5.3-Flash's shapes (32 heads of 128, pools of 16)."""
+    from glm5_kernels.dsa.triton_kpool import kpool_write_kernel
+
+    types = {"k_ptr": "*bf16", "g_ptr": "*bf16", "q_ptr": "*bf16", "tail_ptr": "*bf16",
+             "page_ptr": "*u8", "pscale_ptr": "*fp32", "ape_ptr": "*bf16", "had_ptr": "*fp32",
+             "bt_ptr": "*i32", "pos_ptr": "*i32", "trow_ptr": "*i32", "q8_ptr": "*fp8e4nv",
+             "qs_ptr": "*fp32",
+             **{n: "i32" for n in ("T", "ring", "S", "block_size", "stride_k", "stride_g",
+                                   "stride_qn", "stride_qh", "stride_tr", "stride_tc",
+                                   "stride_bt")},
+             }  # fmt: skip
+    constexprs = {"IH": 32, "H": 32, "HD": 128, "KP": 16, "INTERPRETER": False, "PDL": True}
+    ptx = _compile(kpool_write_kernel, types, constexprs, arch, num_warps=4)
+    assert "griddepcontrol.wait" in ptx and "st.local" not in ptx, "kpool"
+    return 1
+
+
 if __name__ == "__main__":
     arch = int(sys.argv[1])
     gemm = bf16_cases(arch) + fp8_cases(arch)
@@ -266,4 +284,5 @@ if __name__ == "__main__":
     print(f"sm{arch}: compiled {moe_cases(arch)} MoE kernels")
     print(f"sm{arch}: compiled {mhc_cases(arch)} mHC kernels")
     print(f"sm{arch}: compiled {kda_cases(arch)} KDA kernels")
-    print(f"sm{arch}: compiled {dsa_cases(arch) + indexer_cases(arch)} DSA kernels")
+    dsa = dsa_cases(arch) + indexer_cases(arch) + kpool_cases(arch)
+    print(f"sm{arch}: compiled {dsa} DSA kernels")

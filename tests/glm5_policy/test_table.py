@@ -119,8 +119,10 @@ def test_default_tables_cover_every_stage_with_the_seeds_split(family):
     # 1-4 tokens on the H200 (1.14-1.9x, benchmarks/results/kda_decode_h200.json), not at
     # every 8-token one: SM90 runs it at 1-4 tokens; SM100 keeps it off until measured there.
     # The sparse MLA decode stays off on both (not measured against vLLM's own kernel), and
-    # so does the indexer's selection (built and CPU-checked, not yet measured on a GPU).
-    off = {"dsa_attn", "dsa_indexer"} | ({"logits_head"} if family == "sm90" else {"kda"})
+    # so do the indexer's pool write and selection (built and CPU-checked, not yet
+    # measured on a GPU).
+    off = {"dsa_attn", "dsa_indexer", "dsa_kpool"}
+    off |= {"logits_head"} if family == "sm90" else {"kda"}
     assert {stage for stage in STAGES if not policy.enabled(stage)} == off
     if family == "sm90":
         assert [policy("kda", m) for m in (1, 4, 5)] == ["fused", "fused", None]

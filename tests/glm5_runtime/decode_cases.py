@@ -3,7 +3,12 @@ and `shadow`, which makes each stage op also run the stock op it replaces on the
 
 import torch
 
-from glm5_kernels.dsa import index_topk_ref, sparse_mla_decode_ref
+from glm5_kernels.dsa import (
+    index_topk_ref,
+    kpool_write_ref,
+    sparse_mla_decode_ref,
+    unpack_kpool_pages_ref,
+)
 from glm5_kernels.kda import kda_decode_ref
 
 # The MoE stage: per-route at 1-4 tokens, grouped at 5-16 and 33-64 (16-token groups cut
@@ -15,6 +20,7 @@ ALL_STAGES = {
     "kda": {"1-64": "fused"},
     "dsa_attn": {"1-64": "sparse"},
     "dsa_indexer": {"1-64": "fused"},
+    "dsa_kpool": {"1-64": "fused"},
     **{
         stage: {"1-64": choice}
         for stage, choice in [
@@ -42,13 +48,14 @@ ALL_STAGES = {
 CALL_BOUND = {
     "Projection": 4e-3, "Router": 1e-5, "SharedExpert": 2**-4, "DenseMlp": 2**-4,
     "MoeLayer": 2**-4, "KdaDecode": 2**-7, "KdaState": 2**-7, "SparseMlaDecode": 2**-7,
-    "IndexerTopk": 0.0,
+    "IndexerTopk": 0.0, "KpoolQueries": 2**-4, "KpoolPages": 2**-4,
 }  # fmt: skip
 
 
 def rel_tensor(a, b):
     """Relative L2 distance of a from b, in FP64, as a 0-d tensor (no device sync)."""
-    return (a.double() - b.double()).norm() / b.double().norm()
+    num = (a.double() - b.double()).norm()
+    return torch.where(num == 0, 0.0, num / b.double().norm())  # equal zeros: no error
 
 
 def rel(a, b):
@@ -69,6 +76,8 @@ class Shadow:
     def __call__(self, x, *args, **kw):
         if type(self.op).__name__ == "KdaDecode":
             return self._kda(x, *args, **kw)
+        if type(self.op).__name__ == "KpoolWrite":
+            return self._kpool(x, *args, **kw)
         if type(self.op).__name__ == "IndexerTopk":  # the selection: the same tokens
             y = self.op(x, *args, **kw)
             op = self.op
@@ -96,6 +105,22 @@ class Shadow:
             self.rank.routes = routes
         self.pairs.append((type(self.op).__name__, self.name, y, ref))
         return y
+
+    def _kpool(self, k, gate, q, tail, pages, block_table, positions, tail_rows):
+        """The pool write on the caches, `kpool_write_ref` on copies taken before: the ring
+        (raw copies: exact), the pool keys and the queries as values (an FP8 code may land
+        on its neighbour where a BF16 rounding upstream did: 2^-4, as the FP8 MLPs)."""
+        op, tail_ref, pages_ref = self.op, tail.clone(), pages.clone()
+        q8, qs = op(k, gate, q, tail, pages, block_table, positions, tail_rows)
+        q8_ref, qs_ref = kpool_write_ref(k, gate, q, tail_ref, pages_ref, op.ape, block_table,
+                                         positions, tail_rows, op.block_size)  # fmt: skip
+        self.pairs.append(("KpoolQueries", self.name, q8.float() * qs[..., None],
+                           q8_ref.float() * qs_ref[..., None]))  # fmt: skip
+        self.pairs.append(("KpoolTail", self.name, tail.clone(), tail_ref))
+        keys = [unpack_kpool_pages_ref(x[1:]) for x in (pages, pages_ref)]  # not the null block
+        values = [kk.float() * sc[..., None] for kk, sc in keys]
+        self.pairs.append(("KpoolPages", self.name, *values))
+        return q8, qs
 
     def _kda(self, qkv, f, b, gate, conv, rec, **place):
         """The fused KDA step on the caches, `kda_decode_ref` on copies taken before: the

@@ -73,7 +73,7 @@ def test_planned_steps_equal_stock(q):
     kinds = {op.__class__.__name__ for op, _ in decode.ops}
     assert kinds == {
         "Projection", "Router", "SharedExpert", "DenseMlp", "MoeLayer", "MhcBoundary", "KdaDecode",
-        "SparseMlaDecode", "IndexerTopk",
+        "SparseMlaDecode", "IndexerTopk", "KpoolWrite",
     }  # fmt: skip
     assert decode.mhc is not None and decode.mhc_tokens == {q, q * q}
     assert decode.batches == [q, q * q]
@@ -169,6 +169,7 @@ def test_stage_that_cannot_build_warns_once_and_runs_stock(caplog):
         "KdaDecode",
         "SparseMlaDecode",
         "IndexerTopk",
+        "KpoolWrite",
     }
     routed = {name for _, name, _ in decode.routes[2]}
     assert not any(name.endswith((".mlp", ".shared_experts")) for name in routed)
@@ -205,6 +206,7 @@ def test_stage_that_cannot_compile_warns_once_and_runs_stock(caplog, monkeypatch
         "KdaDecode",
         "SparseMlaDecode",
         "IndexerTopk",
+        "KpoolWrite",
     }
     assert not any(name.endswith(".gate.weight") for _, name, _ in decode.routes[2])
     assert not any(type(op).__name__ == "MoeLayer" for _, _, op in decode.routes[2])
@@ -229,6 +231,7 @@ def test_draft_steps_equal_stock():
         "MoeLayer",
         "SparseMlaDecode",
         "IndexerTopk",
+        "KpoolWrite",
     }
     assert not any(type(op).__name__ == "Router" for _, _, op in draft.routes[2])  # in MoE
     routed = {name for _, name, _ in draft.routes[2]}

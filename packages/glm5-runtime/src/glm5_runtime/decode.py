@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from glm5_kernels.dsa import IndexerTopk, SparseMlaDecode
+from glm5_kernels.dsa import IndexerTopk, KpoolWrite, SparseMlaDecode
 from glm5_kernels.gemm import DenseMlp, Projection, Router, SharedExpert
 from glm5_kernels.kda import KdaDecode
 from glm5_kernels.mhc import MhcBoundary
@@ -85,6 +85,7 @@ class LayerStages:
         self._build("moe", self._moe)
         self._build("kda", self._kda, choice="fused")
         self._build("dsa_attn", self._dsa_attn, choice="sparse")
+        self._build("dsa_kpool", self._dsa_kpool, choice="fused")
         self._build("dsa_indexer", self._dsa_indexer, choice="fused")
         # `split_gate` is not built yet: say so once rather than run stock without a word.
         split = [m for m in self.batches if self.policy("kda", m) == "split_gate"]
@@ -244,6 +245,23 @@ class LayerStages:
                 w_uv = w.view(w.shape[0] // split, split, w.shape[1])[:, mla.nope_dim :]
                 op = SparseMlaDecode(w_uv.to(torch.bfloat16), mla.scale, max_rows=max(tokens))
                 self._add(op, tokens, shard, f"{p}.dsa_attn")
+
+    def _dsa_kpool(self, tokens: list[int]) -> None:
+        """Each full indexer layer's pool write (ring, compressed FP8 pool keys) and query
+        rotation as one `KpoolWrite` launch (route `self_attn.indexer.kpool`)."""
+        b, ix = self.backbone, self.backbone.indexer
+        if ix is None:
+            raise ValueError("the backbone's indexers do not take the pool stage "
+                             "(Backbone.indexer)")  # fmt: skip
+        for layer in (x for x in self.layers if x.attention == "mla"):
+            for shard in b.shards:
+                p = f"layers.{layer.index}.self_attn.indexer"
+                ape = b.weight(shard, f"{p}.index_kpool_compress_ape")
+                if b.weight(shard, f"{p}.wk.weight") is None or ape is None:
+                    continue  # a shared indexer layer writes no pools
+                op = KpoolWrite(ix.heads, ix.head_dim, ape, kpool=ix.kpool,
+                                block_size=ix.block_size, max_rows=max(tokens))  # fmt: skip
+                self._add(op, tokens, shard, f"{p}.kpool")
 
     def _dsa_indexer(self, tokens: list[int]) -> None:
         """Each full indexer layer's pool scoring and top-k selection as one `IndexerTopk`

@@ -65,9 +65,10 @@ class Mla:
 
 @dataclass(frozen=True)
 class Indexer:
-    """What the indexer selection stage needs: its heads and head dim, tokens a pool, tokens
-    selected, whether the incomplete last pool is always selected (its kpool - 1 tokens
-    follow), and the most pools a request's block table holds."""
+    """What the indexer's pool write and selection stages need: its heads and head dim,
+    tokens a pool, tokens selected, whether the incomplete last pool is always selected (its
+    kpool - 1 tokens follow), the most pools a request's block table holds, and the cache's
+    tokens a block."""
 
     heads: int
     head_dim: int
@@ -75,6 +76,7 @@ class Indexer:
     topk: int
     tail: bool
     max_pools: int
+    block_size: int
 
 
 @dataclass(frozen=True)
@@ -142,8 +144,12 @@ class Backbone(Protocol):
     # `layers.{i}.self_attn.indexer.topk` gets the rotated FP8 queries [N, H, hd], their
     # scales and head weights [N, H] FP32, the layer's pool pages [blocks, S, hd + 4] uint8,
     # the step's block table, each row's request and position, and returns the selected
-    # token positions [N, topk (+ kpool - 1)] (glm5_kernels.dsa.index_topk_ref). None: the
-    # selection stays stock.
+    # token positions [N, topk (+ kpool - 1)] (glm5_kernels.dsa.index_topk_ref); the route
+    # `layers.{i}.self_attn.indexer.kpool` gets the step's normed keys and gate scores
+    # [R, T, hd], the queries [R, T, H, hd], the layer's ring and pool pages (it writes both),
+    # the block table, positions [R, T] and each request's ring row, and returns the rotated
+    # FP8 queries and their scales (glm5_kernels.dsa.kpool_write_ref); its weight
+    # `layers.{i}.self_attn.indexer.index_kpool_compress_ape`. None: both stay stock.
     indexer: Indexer | None
     aux_layers: tuple[int, ...]  # layers whose hidden states a drafter collects
     # Attention weights holding several HF projections in one tensor, as the backbone runs

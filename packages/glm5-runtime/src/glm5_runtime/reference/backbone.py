@@ -48,9 +48,10 @@ class ReferenceBackbone:
         scale = (g.qk_nope_head_dim + g.qk_rope_head_dim) ** -0.5
         self.mla = Mla(g.qk_nope_head_dim, g.v_head_dim, scale)  # RankStages.mla: `.dsa_attn`
         pools = -(-model.max_context // model.block_size) * model.block_size // g.index_kpool
-        self.indexer = Indexer(  # RankStages.indexer: `.indexer.topk` (vLLM's FP8 pages)
+        self.indexer = Indexer(  # RankStages.indexer: `.kpool`, `.topk` (vLLM's FP8 pages)
             g.index_n_heads, g.index_head_dim, g.index_kpool, g.index_topk,
             bool(g.index_kpool_always_select_tail and g.index_kpool > 1), pools,
+            model.block_size,
         )  # fmt: skip
         # hc_mix_ref's post multiplier is GLM-5.3-Flash's 2.0; every norm uses rms_norm_eps.
         self.mhc = MhcConfig(

@@ -17,8 +17,8 @@ from torch import Tensor
 
 from glm5_kernels.dsa import (
     index_logits_fp8_ref,
-    kpool_compress_ref,
-    rotate_quant_fp8_ref,
+    kpool_write_ref,
+    pool_sources_ref,
     select_tokens_ref,
 )
 from glm5_kernels.gemm import quantize_tokens_fp8_ref
@@ -242,37 +242,21 @@ class RankStages:
         else:
             k = F.layer_norm(k, (hd,), *norm, 1e-6)
         gate = F.linear(x, self.w[f"{n}.index_kpool_compress_gate"])
-        entries = torch.stack([k, gate], dim=2)  # [R, T, 2, hd]
-        # A token that completes a pool compresses it: members from this step come from
-        # `entries`, earlier ones from the request's ring (which holds them: ring >= kpool +
-        # drafts, so rejected drafts never overwrite an accepted member). Tokens that
-        # complete nothing write to the null block, where vLLM skips the write.
-        tail = self.c.tail[layer]
-        ring = tail.shape[2]
-        pos = step.positions
-        pool = pos // kp
-        members = pool[..., None] * kp + torch.arange(kp, device=pos.device)  # [R, T, kp]
-        start = pos[:, :1, None]
-        rows = torch.arange(R, device=pos.device)[:, None, None]
-        mine = entries[rows, (members - start).clamp(0, T - 1)]  # [R, T, kp, 2, hd]
-        kept = tail[step.tail_rows[:, None, None], :, members % ring]  # [R, T, kp, 2, hd]
-        source = torch.where((members >= start)[..., None, None], mine, kept.to(mine.dtype))
-        keys, scores = source.unbind(-2)
-        last = min(T, ring)  # only the newest `ring` tokens of a long prefill stay
-        tail[step.tail_rows[:, None], :, pos[:, -last:] % ring] = entries[:, -last:].to(tail.dtype)
+        # A token that completes a pool compresses it (kpool_ref: members from this step's
+        # rows and the request's ring; tokens that complete nothing write to the null block,
+        # where vLLM skips the write).
+        tail, pos = self.c.tail[layer], step.positions
         ape = self.w[f"{n}.index_kpool_compress_ape"]
-        done = (pos + 1) % kp == 0
-        target = torch.where(done, _slots(pool * kp, step) // kp, 0)  # block * S + pool
-        pools_per_block = kpool.shape[1]
         tail_on = bool(g.index_kpool_always_select_tail and kp > 1)
         width = g.index_topk + (kp - 1 if tail_on else 0)
         if vllm:
-            fp8, scale = rotate_quant_fp8_ref(kpool_compress_ref(keys, scores, ape))
-            page_keys, page_scales = _pages(kpool)
-            at = (target // pools_per_block, target % pools_per_block)  # (block, pool in block)
-            page_keys[at] = fp8.view(torch.uint8)
-            page_scales[at] = scale
-            q8, q_scale = rotate_quant_fp8_ref(q)
+            write = self.routes.get(f"{n}.kpool")  # the pool write stage (+ the queries)
+            place = (step.block_table, pos, step.tail_rows)
+            if write is not None and write.supports(R * T):
+                q8, q_scale = write(k, gate, q, tail, kpool, *place)
+            else:
+                q8, q_scale = kpool_write_ref(k, gate, q, tail, kpool, ape, *place,
+                                              step.block_size)  # fmt: skip
             weights = F.linear(x.float(), self.w[f"{n}.weights_proj.weight"].float())
             fused = self.routes.get(f"{n}.topk")  # the selection stage: scores + top-k
             if fused is not None and fused.supports(R * T):
@@ -281,12 +265,16 @@ class RankStages:
                                weights.reshape(R * T, ih), kpool, step.block_table, rows,
                                pos.reshape(R * T))  # fmt: skip
                 return tokens.view(R, T, width).long()
+            page_keys, page_scales = _pages(kpool)
             pool_keys = page_keys[step.block_table].reshape(R, -1, hd).view(torch.float8_e4m3fn)
             pool_scales = page_scales[step.block_table].reshape(R, -1)
             index_scores = index_logits_fp8_ref(
                 q8, q_scale, weights, pool_keys[:, None], pool_scales[:, None]
             )
-        else:
+        else:  # transformers' numerics: BF16 pool keys, no rotation
+            keys, scores = pool_sources_ref(k, gate, tail, pos, step.tail_rows, kp)
+            done = (pos + 1) % kp == 0
+            target = torch.where(done, _slots(pos // kp * kp, step) // kp, 0)  # block * S + pool
             logits = scores.float() + ape.float()
             pooled = (torch.softmax(logits, dim=2).to(keys.dtype) * keys).sum(2)  # [R, T, hd]
             kpool.view(-1, hd)[target] = pooled.to(kpool.dtype)

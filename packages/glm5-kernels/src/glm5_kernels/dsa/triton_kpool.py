@@ -1,0 +1,96 @@
+"""Triton kernel of the indexer's pool write (`kpool_ref.kpool_write_ref`'s contract).
+
+`kpool_write_kernel`: a CTA per token row. It rotates the row's indexer queries (every head
+times the Hadamard matrix, FP32, rounded to BF16 as the reference's matmul output) and casts
+them to FP8 with one power-of-two scale a head. If the token completes a pool, it gathers
+the pool's members — this step's rows for tokens of this step, the request's ring for
+earlier ones — forms the gated softmax pool over them (channel by channel, plus the learned
+per-slot bias), rotates and casts it the same way into the pool's slot of vLLM's pages.
+Last, its own key and gate score go to the ring (no row of the step reads that slot: the
+ring holds kpool + drafts tokens).
+"""
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from glm5_kernels.gemm.triton_skinny import _bf16, _round_nearest
+
+FP8_MAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def _rotate_quant(x, had, INTERPRETER: tl.constexpr):
+    """x [M, HD] FP32 -> (e4m3 codes of bf16(x @ had) / scale, the power-of-two scales [M]:
+    2^ceil(log2(max(amax, 1e-4) / 448)), from the bits, exact)."""
+    y = _bf16(tl.dot(x, had, input_precision="ieee"), INTERPRETER)
+    amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-4)
+    if INTERPRETER:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
+        v = amax / FP8_MAX
+    else:
+        v = tl.math.div_rn(amax, FP8_MAX)  # IEEE, as the reference divides
+    bits = v.to(tl.int32, bitcast=True)
+    scale = ((bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+    xq = tl.minimum(tl.maximum(y / scale[:, None], -FP8_MAX), FP8_MAX)  # a power of two: exact
+    if INTERPRETER:
+        xq = _round_nearest(xq, 3, -6)  # e4m3: subnormals below 2^-6
+    return xq.to(tl.float8e4nv), scale
+
+
+@triton.jit
+def kpool_write_kernel(
+    k_ptr, g_ptr, q_ptr, tail_ptr, page_ptr, pscale_ptr, ape_ptr, had_ptr,
+    bt_ptr, pos_ptr, trow_ptr, q8_ptr, qs_ptr,
+    T, ring, S, block_size,
+    stride_k, stride_g, stride_qn, stride_qh, stride_tr, stride_tc, stride_bt,
+    IH: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, KP: tl.constexpr,
+    INTERPRETER: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    n = tl.program_id(0)
+    r = n // T
+    d = tl.arange(0, HD)
+    # The weights first: they do not depend on the previous kernel.
+    had = tl.load(had_ptr + d[:, None] * HD + d[None, :])
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    pos = tl.load(pos_ptr + n).to(tl.int64)
+    start = tl.load(pos_ptr + r * T).to(tl.int64)  # the request's first token this step
+    trow = tl.load(trow_ptr + r).to(tl.int64)
+    h = tl.arange(0, IH)
+    hm = h < H  # IH: the heads padded to the MMA's 16 rows
+    q = tl.load(q_ptr + n * stride_qn + h[:, None] * stride_qh + d[None, :], mask=hm[:, None],
+                other=0.0).to(tl.float32)  # fmt: skip
+    q8, qs = _rotate_quant(q, had, INTERPRETER)
+    tl.store(q8_ptr + (n * H + h[:, None]) * HD + d[None, :], q8, mask=hm[:, None])
+    tl.store(qs_ptr + n * H + h, qs, mask=hm)
+    if (pos + 1) % KP == 0:
+        j = tl.arange(0, KP)
+        m = pos - KP + 1 + j  # the pool's tokens
+        mine = (m >= start)[:, None]
+        row = n - (pos - m)  # this step's row of token m
+        ring_at = trow * stride_tr + (m % ring) * HD
+        kk = tl.where(mine, tl.load(k_ptr + row[:, None] * stride_k + d[None, :], mask=mine),
+                      tl.load(tail_ptr + ring_at[:, None] + d[None, :], mask=~mine))  # fmt: skip
+        gate_at = tail_ptr + stride_tc + ring_at[:, None] + d[None, :]  # the ring's gate half
+        gg = tl.where(mine, tl.load(g_ptr + row[:, None] * stride_g + d[None, :], mask=mine),
+                      tl.load(gate_at, mask=~mine))  # fmt: skip
+        ape = tl.load(ape_ptr + j[:, None] * HD + d[None, :]).to(tl.float32)
+        logits = gg.to(tl.float32) + ape  # softmax over the pool's tokens, channel by channel
+        p = tl.exp(logits - tl.max(logits, axis=0)[None, :])
+        p = p / tl.sum(p, axis=0)[None, :]
+        pooled = _bf16(tl.sum(p * kk.to(tl.float32), axis=0), INTERPRETER)
+        tile = tl.where((tl.arange(0, 16) == 0)[:, None], pooled[None, :], 0.0)  # [16, HD]
+        y8, ys = _rotate_quant(tile, had, INTERPRETER)
+        first = pos - KP + 1
+        block = tl.load(bt_ptr + r * stride_bt + first // block_size).to(tl.int64)
+        slot = (first % block_size) // KP
+        page = block * S * (HD + 4)  # S keys of HD bytes, then S FP32 scales
+        top = tl.arange(0, 16)[:, None] == 0
+        tl.store(page_ptr + page + slot * HD + (d[None, :] + tl.zeros([16, 1], tl.int64)),
+                 y8.to(tl.uint8, bitcast=True), mask=top)  # fmt: skip
+        tl.store(pscale_ptr + (page + S * HD) // 4 + slot + tl.arange(0, 16), ys,
+                 mask=tl.arange(0, 16) == 0)  # fmt: skip
+    at = trow * stride_tr + (pos % ring) * HD + d
+    tl.store(tail_ptr + at, tl.load(k_ptr + n * stride_k + d))
+    tl.store(tail_ptr + stride_tc + at, tl.load(g_ptr + n * stride_g + d))

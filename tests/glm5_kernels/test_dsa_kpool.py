@@ -1,0 +1,62 @@
+"""KpoolWrite (Triton, under the interpreter on CPU) against kpool_write_ref: decode and
+verify steps of several requests whose tokens complete pools from members of the step and of
+the ring (and complete none), rings in scattered rows, blocks scattered in the pages, heads
+off the MMA's 16; the ring, the pages (but the null block 0, where the reference parks the
+writes of rows that complete nothing) and the rotated FP8 queries equal the reference's.
+Bad input is one error."""
+
+import pytest
+import torch
+
+from glm5_kernels.dsa import KpoolWrite, kpool_write_ref
+
+KP, BS = 4, 16
+
+
+def _case(gen, heads, hd, requests, t, first):
+    """Random caches and a step of `t` tokens a request starting at positions `first`."""
+    ring = 8
+    blocks = 1 + requests * 4
+    tail = torch.randn(requests + 2, 2, ring, hd, generator=gen).bfloat16()
+    pages = torch.randint(0, 255, (blocks, BS // KP, hd + 4), generator=gen, dtype=torch.uint8)
+    table = (1 + torch.randperm(blocks - 1, generator=gen)).view(requests, 4).int()
+    positions = (torch.tensor(first)[:, None] + torch.arange(t)).int()
+    tail_rows = torch.randperm(requests + 2, generator=gen)[:requests].int()
+    k = torch.randn(requests, t, hd, generator=gen).bfloat16()
+    gate = torch.randn(requests, t, hd, generator=gen).bfloat16()
+    q = torch.randn(requests, t, heads, hd, generator=gen).bfloat16()
+    ape = (torch.randn(KP, hd, generator=gen) * 0.5).bfloat16()
+    return k, gate, q, tail, pages, ape, table, positions, tail_rows
+
+
+@pytest.mark.parametrize(
+    "heads, hd, t, first",
+    [(8, 16, 1, [3, 7, 10, 40]), (20, 32, 3, [1, 6, 13, 45]), (8, 16, 3, [0, 2, 4, 9])],
+    ids=["decode", "verify", "verify-early"],
+)
+def test_matches_the_reference(heads, hd, t, first):
+    gen = torch.Generator().manual_seed(heads + hd + t)
+    k, gate, q, tail, pages, ape, table, positions, rows = _case(gen, heads, hd, 4, t, first)
+    done = ((positions + 1) % KP == 0).sum().item()
+    assert done and done < positions.numel()  # rows that complete pools and rows that don't
+    op = KpoolWrite(heads, hd, ape, kpool=KP, block_size=BS, max_rows=16)
+    op.prepare()
+    tail_ref, pages_ref = tail.clone(), pages.clone()
+    q8, qs = op(k, gate, q, tail, pages, table, positions, rows)
+    q8_ref, qs_ref = kpool_write_ref(k, gate, q, tail_ref, pages_ref, ape, table, positions,
+                                     rows, BS)  # fmt: skip
+    assert torch.equal(tail, tail_ref)
+    assert torch.equal(pages[1:], pages_ref[1:])
+    assert torch.equal(q8.view(torch.uint8), q8_ref.view(torch.uint8)) and torch.equal(qs, qs_ref)
+
+
+def test_bad_input_names_every_problem():
+    gen = torch.Generator().manual_seed(1)
+    k, gate, q, tail, pages, ape, table, positions, rows = _case(gen, 8, 16, 2, 1, [3, 5])
+    op = KpoolWrite(8, 16, ape, kpool=KP, block_size=BS, max_rows=4)
+    with pytest.raises(ValueError) as e:
+        op(k.float(), gate, q[..., :8], tail[:, :, :2], pages[:, :2], table, positions, rows)
+    for name in ("k:", "q:", "tail:", "pages:"):
+        assert name in str(e.value), e.value
+    with pytest.raises(ValueError, match="ape"):
+        KpoolWrite(8, 16, ape[:2], kpool=KP, block_size=BS)
