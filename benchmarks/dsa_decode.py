@@ -3,6 +3,8 @@
 - `dsa_indexer`: the selection (`IndexerTopk`, one launch) — 32 indexer heads of 128 score
   every visible pool of 16 tokens in vLLM's FP8 pages, the top 2048 tokens + the 15-token
   tail selected — vs `index_topk_ref` (torch); floor: each row's pages, queries and output;
+- `dsa_kpool`: the pool write (`KpoolWrite`, one launch: the ring, each completed pool
+  into vLLM's FP8 pages, the queries rotated and cast) vs `kpool_write_ref`;
 - `dsa_attn`: the sparse MLA decode (attention over the selection + the value-up,
   `SparseMlaDecode`, two launches) — latent 512, value dim 256, blocks of 64 tokens — for 64
   heads (TP 1) and 16 (a TP-4 rank) vs `sparse_mla_decode_ref` (the reference backbone's MLA
@@ -31,8 +33,10 @@ from provenance import floor_bandwidth, provenance, result_args, write_result
 
 from glm5_kernels.dsa import (
     IndexerTopk,
+    KpoolWrite,
     SparseMlaDecode,
     index_topk_ref,
+    kpool_write_ref,
     pack_kpool_pages_ref,
     rotate_quant_fp8_ref,
     sparse_mla_decode_ref,
@@ -119,13 +123,42 @@ def indexer_case(requests, q, context, bw, gen) -> dict:
             "copies": copies}  # fmt: skip
 
 
+def kpool_case(requests, q, bw, gen) -> dict:
+    """Stage `dsa_kpool`: the step's ring write, the completed pools (every request's last
+    token completes one: the most work) into the pages, the queries rotated and cast. Floor:
+    keys, gate scores and queries in, ring members read, ring / pages / FP8 queries out."""
+    rows, s, ring = requests * q, BS // KP, 32
+    blocks = 1 + requests * 4
+    tail = torch.randn(requests, 2, ring, IHD, generator=gen, device="cuda").bfloat16()
+    pages = torch.zeros(blocks, s, IHD + 4, dtype=torch.uint8, device="cuda")
+    table = (1 + torch.arange(requests * 4, device="cuda")).view(requests, 4).int()
+    positions = (4 * KP - q + torch.arange(q, device="cuda")).repeat(requests, 1).int()
+    tail_rows = torch.arange(requests, device="cuda").int()
+    ape = torch.randn(KP, IHD, generator=gen, device="cuda").bfloat16()
+    op = KpoolWrite(IH, IHD, ape, kpool=KP, block_size=BS, max_rows=rows)
+    op.prepare()
+    per_call = rows * (2 * IHD * 2 + IH * IHD * 3 + IH * 4) + requests * (KP * 2 * IHD * 2 + IHD)
+    copies = 8
+    calls = [tuple(torch.randn(requests, q, *shape, generator=gen, device="cuda").bfloat16()
+                   for shape in ((IHD,), (IHD,), (IH, IHD))) for _ in range(copies)]  # fmt: skip
+    place = (table, positions, tail_rows)
+    ours = [lambda c=c: op(*c, tail, pages, *place) for c in calls]
+    ref = [lambda c=c: kpool_write_ref(*c, tail, pages, ape, *place, BS) for c in calls]
+    floor = per_call / bw * 1e6
+    us = graph_calls_us(ours)
+    return {"stage": "dsa_kpool", "heads": IH, "context": 4 * KP, "requests": requests, "q": q,
+            "us": us, "ref_us": graph_calls_us(ref[:2]), "floor_us": floor,
+            "floor_ratio": us / floor, "launches": call_launches(ours[0]),
+            "copies": copies}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--heads", default="16,64")
     parser.add_argument("--contexts", default="4096,16384,65536,131072")
     parser.add_argument("--requests", default="1,2,4,8,16,32,64")
     parser.add_argument("--q", default="1,4")
-    parser.add_argument("--stages", default="dsa_attn,dsa_indexer")
+    parser.add_argument("--stages", default="dsa_attn,dsa_indexer,dsa_kpool")
     result_args(parser)
     args = parser.parse_args()
     if args.table:
@@ -143,6 +176,13 @@ def main() -> None:
         }  # fmt: skip
         write_result(args.out, result)  # after every case: a cut run keeps its rows
 
+    if "dsa_kpool" in stages:
+        for q in (int(x) for x in args.q.split(",")):
+            for r in (int(x) for x in args.requests.split(",")):
+                row = kpool_case(r, q, bw, gen)
+                record(row)
+                print(f"kpool R={r:2d} q={q}: {row['us']:8.2f} µs (floor {row['floor_us']:7.2f}) "
+                      f"ref {row['ref_us']:9.1f} [{row['launches']} launches]")  # fmt: skip
     if "dsa_indexer" in stages:
         for context in (int(c) for c in args.contexts.split(",")):
             for q in (int(x) for x in args.q.split(",")):
