@@ -215,8 +215,8 @@ def dsa_cases(arch: int) -> int:
     from glm5_kernels.dsa.attention import BH, BN, BV, BW, WARPS
     from glm5_kernels.dsa.triton_attn import sparse_mla_split_kernel, value_up_kernel
 
-    ints = ("N", "H", "W", "chunk", "bs", "stride_qn", "stride_qh", "stride_c", "stride_bt",
-            "stride_idx")  # fmt: skip
+    ints = ("N", "H", "W", "chunk", "bs", "stride_qn", "stride_qh", "stride_cb", "stride_c",
+            "stride_bt", "stride_idx")  # fmt: skip
     split = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "bt_ptr": "*i32", "req_ptr": "*i32",
              "idx_ptr": "*i32", "part_o_ptr": "*fp32", "part_ml_ptr": "*fp32", "scale": "fp32",
              **{n: "i32" for n in ints}}  # fmt: skip
@@ -246,8 +246,9 @@ def indexer_cases(arch: int) -> int:
              "scale_ptr": "*fp32", "bt_ptr": "*i32", "req_ptr": "*i32", "pos_ptr": "*i32",
              "score_ptr": "*fp32", "pool_ptr": "*i32", "count_ptr": "*i32", "out_ptr": "*i32",
              "weight_scale": "fp32",
-             **{n: "i32" for n in ("P", "S", "per_split", "count", "width", "stride_qn",
-                                   "stride_qh", "stride_wn", "stride_bt", "stride_on")},
+             **{n: "i32" for n in ("P", "S", "stride_pb", "per_split", "count", "width",
+                                   "stride_qn", "stride_qh", "stride_wn", "stride_bt",
+                                   "stride_on")},
              }  # fmt: skip
     constexprs = {"IH": 32, "H": 32, "HD": 128, "KP": 16, "BP": BP, "PMAX": 8192, "BC": BC,
                   "TAIL": True, "PDL": True}  # fmt: skip
@@ -267,9 +268,9 @@ def kpool_cases(arch: int) -> int:
              "page_ptr": "*u8", "pscale_ptr": "*fp32", "ape_ptr": "*bf16", "had_ptr": "*fp32",
              "bt_ptr": "*i32", "pos_ptr": "*i32", "trow_ptr": "*i32", "q8_ptr": "*fp8e4nv",
              "qs_ptr": "*fp32",
-             **{n: "i32" for n in ("T", "ring", "S", "block_size", "stride_k", "stride_g",
-                                   "stride_qn", "stride_qh", "stride_tr", "stride_tc",
-                                   "stride_bt")},
+             **{n: "i32" for n in ("T", "ring", "S", "stride_pb", "block_size", "stride_k",
+                                   "stride_g", "stride_qn", "stride_qh", "stride_tr",
+                                   "stride_tc", "stride_bt")},
              }  # fmt: skip
     constexprs = {"IH": 32, "H": 32, "HD": 128, "KP": 16, "INTERPRETER": False, "PDL": True}
     ptx = _compile(kpool_write_kernel, types, constexprs, arch, num_warps=4)

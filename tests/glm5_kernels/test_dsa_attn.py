@@ -25,7 +25,11 @@ L, VD, BS = 64, 48, 16  # latent, value dim (off the 64-column tile), block size
 
 def _case(gen, heads, rows, requests, width, context):
     blocks = requests * (-(-context // BS)) + 3
-    cache = torch.randn(blocks, BS, L, generator=gen).bfloat16()
+    # vLLM packs the layers' caches block by block: a block's rows, then other layers' (NaN
+    # here: never read).
+    packed = torch.full((blocks, BS * L + 3 * L), float("nan")).bfloat16()
+    cache = packed[:, : BS * L].view(blocks, BS, L)
+    cache.copy_(torch.randn(blocks, BS, L, generator=gen).bfloat16())
     table = torch.randperm(blocks, generator=gen)[: requests * (-(-context // BS))]
     table = table.view(requests, -1).int()
     request = torch.randint(0, requests, (rows,), generator=gen).int()

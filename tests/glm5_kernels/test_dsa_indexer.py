@@ -1,7 +1,8 @@
 """IndexerTopk (Triton, under the interpreter on CPU) against index_topk_ref: rows of several
-requests over scattered blocks, positions at every tail length, contexts shorter than top-k
-(every visible pool selected, -1 picks after them), tied scores (the earlier pool wins),
-several scoring splits and one, outputs poisoned; bad input is one error."""
+requests over scattered blocks of packed pages (vLLM's block stride), positions at every
+tail length, contexts shorter than top-k (every visible pool selected, -1 picks after them),
+tied scores (the earlier pool wins), several scoring splits and one, outputs poisoned; bad
+input is one error."""
 
 import pytest
 import torch
@@ -11,12 +12,22 @@ from glm5_kernels.dsa import IndexerTopk, index_topk_ref, pack_kpool_pages_ref, 
 POISON = 123456789
 
 
+def _packed(pages):
+    """The pages as vLLM lays them out: each block's page, then other layers' bytes (0xFF: an
+    FP8 NaN, never read) before the next block's."""
+    blocks, s, width = pages.shape
+    packed = torch.full((blocks, s * width + 8), 0xFF, dtype=torch.uint8)
+    view = packed[:, : s * width].view(blocks, s, width)
+    view.copy_(pages)
+    return view
+
+
 def _case(gen, heads, hd, s, blocks, requests, rows, positions, tie=False):
     keys = torch.randn(blocks, s, hd, generator=gen)
     if tie:  # one key for every pool: equal scores wherever visible
         keys[:] = keys[0, 0]
     k8, ks = rotate_quant_fp8_ref(keys)
-    pages = pack_kpool_pages_ref(k8, ks)
+    pages = _packed(pack_kpool_pages_ref(k8, ks))
     per = blocks // requests
     table = torch.randperm(blocks, generator=gen)[: requests * per].view(requests, per).int()
     q8, q_scale = rotate_quant_fp8_ref(torch.randn(rows, heads, hd, generator=gen))

@@ -100,8 +100,8 @@ class SparseMlaDecode:
         self._split[(n, -(-self.heads // BH), splits)](
             q_lat, cache, block_table, request, indices, self._part_o, self._part_ml,
             n, self.heads, w, chunk, cache.shape[1], self.scale,
-            q_lat.stride(0), q_lat.stride(1), cache.stride(1), block_table.stride(0),
-            indices.stride(0),
+            q_lat.stride(0), q_lat.stride(1), cache.stride(0), cache.stride(1),
+            block_table.stride(0), indices.stride(0),
             L=self.lat, BH=BH, BW=BW, INTERPRETER=self._interp, PDL=self._pdl, num_warps=WARPS,
             launch_pdl=self._pdl,
         )  # fmt: skip
@@ -127,11 +127,12 @@ class SparseMlaDecode:
                             "bfloat16")  # fmt: skip
         elif not self.supports(n):
             problems.append(f"q_lat: {n} rows, outside 1..{self.max_rows}")
-        uniform = cache.dim() == 3 and cache.stride(0) == cache.shape[1] * cache.stride(1)
-        if not uniform or cache.shape[2] != lat or cache.dtype != torch.bfloat16 \
+        # Blocks at any stride (vLLM packs several layers' caches block by block), rows
+        # inside a block at a uniform one.
+        if cache.dim() != 3 or cache.shape[2] != lat or cache.dtype != torch.bfloat16 \
                 or cache.stride(2) != 1:  # fmt: skip
             problems.append(f"cache: {tuple(cache.shape)} {cache.dtype}, expected [blocks, bs, "
-                            f"{lat}] bfloat16 with uniform row strides")  # fmt: skip
+                            f"{lat}] bfloat16, latents contiguous")  # fmt: skip
         ints = (torch.int32, torch.int64)
         for name, x, dims in (("block_table", block_table, 2), ("request", request, 1),
                               ("indices", indices, 2)):  # fmt: skip

@@ -14,6 +14,14 @@ __all__ = ["IndexerTopk"]
 BP, BC, WARPS = 64, 64, 4  # pools a scoring step, output pools a store step
 
 
+def _paged(pages: Tensor, hd: int) -> bool:
+    """vLLM's pool pages [blocks, S, hd + 4] uint8: each block's S * (hd + 4) bytes together
+    (S keys, then S FP32 scales), blocks at any 4-byte aligned stride."""
+    return (pages.dim() == 3 and pages.dtype == torch.uint8 and pages.shape[2] == hd + 4
+            and pages.stride(2) == 1 and pages.stride(1) == hd + 4
+            and pages.stride(0) % 4 == 0 and pages.storage_offset() % 4 == 0)  # fmt: skip
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -89,7 +97,8 @@ class IndexerTopk:
         self._kernel[(n, splits)](
             q, q_scale, weights, pages, pages.view(torch.float32), block_table, request,
             positions, self._scores, self._pools, self._count, out,
-            pools, s, per_split, min(self.topk // self.kpool, pools), self.width,
+            pools, s, pages.stride(0), per_split, min(self.topk // self.kpool, pools),
+            self.width,
             self.head_dim**-0.5 * self.heads**-0.5,
             q.stride(0), q.stride(1), weights.stride(0), block_table.stride(0), out.stride(0),
             IH=max(16, _pow2(self.heads)), H=self.heads, HD=self.head_dim, KP=self.kpool,
@@ -114,10 +123,10 @@ class IndexerTopk:
                                 "float32")  # fmt: skip
         if q_scale.dim() == weights.dim() == 2 and q_scale.stride() != weights.stride():
             problems.append("q_scale / weights: one row stride expected")  # the kernel's one
-        if pages.dim() != 3 or pages.shape[2] != hd + 4 or pages.dtype != torch.uint8 \
-                or not pages.is_contiguous():  # fmt: skip
-            problems.append(f"pages: {tuple(pages.shape)} {pages.dtype}, expected contiguous "
-                            f"[blocks, S, {hd + 4}] uint8")  # fmt: skip
+        if not _paged(pages, hd):
+            problems.append(f"pages: {tuple(pages.shape)} {pages.dtype} strides "
+                            f"{pages.stride()}, expected [blocks, S, {hd + 4}] uint8, each "
+                            "block's page contiguous at a 4-byte aligned block stride")  # fmt: skip
         ints = (torch.int32, torch.int64)
         for name, x, dims in (("block_table", block_table, 2), ("request", request, 1),
                               ("positions", positions, 1)):  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from glm5_kernels.dsa.indexer import _paged
 from glm5_kernels.dsa.reference import _hadamard
 from glm5_kernels.gemm.linear import _interpreting, _pdl
 
@@ -66,7 +67,7 @@ class KpoolWrite:
         self._kernel[(r * t,)](
             k, gate, q, tail, pages, pages.view(torch.float32), self.ape, self._had,
             block_table, positions, tail_rows, q8, qs,
-            t, tail.shape[2], pages.shape[1], self.block_size,
+            t, tail.shape[2], pages.shape[1], pages.stride(0), self.block_size,
             k.stride(1), gate.stride(1), q.stride(1), q.stride(2), tail.stride(0),
             tail.stride(1), block_table.stride(0),
             IH=max(16, 1 << (h - 1).bit_length()), H=h, HD=hd, KP=self.kpool,
@@ -96,10 +97,10 @@ class KpoolWrite:
             problems.append(f"tail: {tuple(tail.shape)} {tail.dtype}, expected [rows, 2, ring, "
                             f"{hd}] bfloat16, slots contiguous")  # fmt: skip
         s = self.block_size // self.kpool
-        if tuple(pages.shape[1:]) != (s, hd + 4) or pages.dtype != torch.uint8 \
-                or not pages.is_contiguous():  # fmt: skip
-            problems.append(f"pages: {tuple(pages.shape)} {pages.dtype}, expected contiguous "
-                            f"[blocks, {s}, {hd + 4}] uint8")  # fmt: skip
+        if not _paged(pages, hd) or pages.shape[1] != s:
+            problems.append(f"pages: {tuple(pages.shape)} {pages.dtype} strides "
+                            f"{pages.stride()}, expected [blocks, {s}, {hd + 4}] uint8, each "
+                            "block's page contiguous at a 4-byte aligned block stride")  # fmt: skip
         if rt is not None and ring and ring < self.kpool + rt[1] - 1:
             problems.append(f"tail: a ring of {ring} cannot hold a pool of {self.kpool} and "
                             f"{rt[1]} tokens a request")  # fmt: skip

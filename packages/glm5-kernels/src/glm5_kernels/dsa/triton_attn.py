@@ -34,7 +34,7 @@ def _dot(a, b, INTERPRETER: tl.constexpr):
 def sparse_mla_split_kernel(
     q_ptr, cache_ptr, bt_ptr, req_ptr, idx_ptr, part_o_ptr, part_ml_ptr,
     N, H, W, chunk, bs, scale,
-    stride_qn, stride_qh, stride_c, stride_bt, stride_idx,
+    stride_qn, stride_qh, stride_cb, stride_c, stride_bt, stride_idx,
     L: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr, INTERPRETER: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
@@ -59,8 +59,8 @@ def sparse_mla_split_kernel(
         ok = pos >= 0
         at = tl.where(ok, pos, 0)
         block = tl.load(bt_ptr + req * stride_bt + at // bs, mask=ok, other=0).to(tl.int64)
-        slot = block * bs + at % bs  # the latent rows [BW, L], for all BH heads
-        c = tl.load(cache_ptr + slot[:, None] * stride_c + lat[None, :], mask=ok[:, None],
+        row = block * stride_cb + (at % bs) * stride_c  # the latent rows [BW, L], all BH heads
+        c = tl.load(cache_ptr + row[:, None] + lat[None, :], mask=ok[:, None],
                     other=0.0)  # fmt: skip
         s = _dot(q, tl.trans(c), INTERPRETER) * scale  # [BH, BW] FP32
         s = tl.where(ok[None, :], s, float("-inf"))

@@ -27,7 +27,7 @@ def _keys(scores):
 def indexer_topk_kernel(
     q_ptr, qs_ptr, w_ptr, page_ptr, scale_ptr, bt_ptr, req_ptr, pos_ptr,
     score_ptr, pool_ptr, count_ptr, out_ptr,
-    P, S, per_split, count, width, weight_scale,
+    P, S, stride_pb, per_split, count, width, weight_scale,
     stride_qn, stride_qh, stride_wn, stride_bt, stride_on,
     IH: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, KP: tl.constexpr, BP: tl.constexpr,
     PMAX: tl.constexpr, BC: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr,
@@ -44,7 +44,6 @@ def indexer_topk_kernel(
     wh = wh * tl.load(qs_ptr + n * stride_wn + h, mask=hm, other=0.0) * weight_scale  # as ref
     req = tl.load(req_ptr + n).to(tl.int64)
     pos = tl.load(pos_ptr + n).to(tl.int64)
-    page = S * (HD + 4)  # a block's bytes: S keys, then S FP32 scales
     lo = sp * per_split
     hi = tl.minimum(lo + per_split, P)
     for p0 in range(lo, hi, BP):
@@ -52,10 +51,12 @@ def indexer_topk_kernel(
         pm = p < hi
         block = tl.load(bt_ptr + req * stride_bt + p // S, mask=pm, other=0).to(tl.int64)
         slot = p % S
-        k = tl.load(page_ptr + block[:, None] * page + slot[:, None] * HD + d[None, :],
+        # A block's page at stride_pb bytes (vLLM packs layers block by block): S keys, then
+        # S FP32 scales.
+        k = tl.load(page_ptr + block[:, None] * stride_pb + slot[:, None] * HD + d[None, :],
                     mask=pm[:, None], other=0)  # fmt: skip
         k = k.to(tl.float8e4nv, bitcast=True)
-        ks = tl.load(scale_ptr + (block * page + S * HD) // 4 + slot, mask=pm, other=0.0)
+        ks = tl.load(scale_ptr + (block * stride_pb + S * HD) // 4 + slot, mask=pm, other=0.0)
         s = tl.dot(q, tl.trans(k)) * ks[None, :]  # [IH, BP]
         score = tl.sum(wh[:, None] * tl.maximum(s, 0.0), axis=0)
         visible = (p + 1) * KP - 1 <= pos

@@ -41,7 +41,7 @@ def _rotate_quant(x, had, INTERPRETER: tl.constexpr):
 def kpool_write_kernel(
     k_ptr, g_ptr, q_ptr, tail_ptr, page_ptr, pscale_ptr, ape_ptr, had_ptr,
     bt_ptr, pos_ptr, trow_ptr, q8_ptr, qs_ptr,
-    T, ring, S, block_size,
+    T, ring, S, stride_pb, block_size,
     stride_k, stride_g, stride_qn, stride_qh, stride_tr, stride_tc, stride_bt,
     IH: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, KP: tl.constexpr,
     INTERPRETER: tl.constexpr, PDL: tl.constexpr,
@@ -85,7 +85,7 @@ def kpool_write_kernel(
         first = pos - KP + 1
         block = tl.load(bt_ptr + r * stride_bt + first // block_size).to(tl.int64)
         slot = (first % block_size) // KP
-        page = block * S * (HD + 4)  # S keys of HD bytes, then S FP32 scales
+        page = block * stride_pb  # S keys of HD bytes, then S FP32 scales
         top = tl.arange(0, 16)[:, None] == 0
         tl.store(page_ptr + page + slot * HD + (d[None, :] + tl.zeros([16, 1], tl.int64)),
                  y8.to(tl.uint8, bitcast=True), mask=top)  # fmt: skip
