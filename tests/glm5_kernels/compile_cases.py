@@ -2,6 +2,7 @@
 ptxas) and check what the PTX must contain. Run as `python compile_cases.py 90|100`; the CPU
 suite runs it in a child process, because under TRITON_INTERPRET=1 kernels cannot compile."""
 
+import os
 import sys
 
 import triton
@@ -280,6 +281,7 @@ def kpool_cases(arch: int) -> int:
 
 if __name__ == "__main__":
     arch = int(sys.argv[1])
+    print(f"triton {os.path.dirname(os.path.dirname(triton.__file__))} {triton.__version__}")
     gemm = bf16_cases(arch) + fp8_cases(arch)
     print(f"sm{arch}: compiled {gemm} kernels")
     print(f"sm{arch}: compiled {moe_cases(arch)} MoE kernels")
