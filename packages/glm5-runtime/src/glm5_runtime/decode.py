@@ -246,39 +246,40 @@ class LayerStages:
                 op = SparseMlaDecode(w_uv.to(torch.bfloat16), mla.scale, max_rows=max(tokens))
                 self._add(op, tokens, shard, f"{p}.dsa_attn")
 
-    def _dsa_kpool(self, tokens: list[int]) -> None:
-        """Each full indexer layer's pool write (ring, compressed FP8 pool keys) and query
-        rotation as one `KpoolWrite` launch (route `self_attn.indexer.kpool`)."""
-        b, ix = self.backbone, self.backbone.indexer
-        if ix is None:
-            raise ValueError("the backbone's indexers do not take the pool stage "
-                             "(Backbone.indexer)")  # fmt: skip
+    def _indexers(self, stage: str):
+        """(shard, prefix, its key weight) of every full indexer layer: a shared one reuses
+        the last full layer's selection and writes no pools."""
+        b = self.backbone
+        if b.indexer is None:
+            raise ValueError(f"the backbone's indexers do not take {stage} (Backbone.indexer)")
         for layer in (x for x in self.layers if x.attention == "mla"):
             for shard in b.shards:
                 p = f"layers.{layer.index}.self_attn.indexer"
-                ape = b.weight(shard, f"{p}.index_kpool_compress_ape")
-                if b.weight(shard, f"{p}.wk.weight") is None or ape is None:
-                    continue  # a shared indexer layer writes no pools
-                op = KpoolWrite(ix.heads, ix.head_dim, ape, kpool=ix.kpool,
-                                block_size=ix.block_size, max_rows=max(tokens))  # fmt: skip
-                self._add(op, tokens, shard, f"{p}.kpool")
+                wk = b.weight(shard, f"{p}.wk.weight")
+                if wk is not None:
+                    yield shard, p, wk
+
+    def _dsa_kpool(self, tokens: list[int]) -> None:
+        """Each full indexer layer's pool write (ring, compressed FP8 pool keys) and query
+        rotation as one `KpoolWrite` launch (route `self_attn.indexer.kpool`)."""
+        ix = self.backbone.indexer
+        for shard, p, _ in self._indexers("dsa_kpool"):
+            ape = self.backbone.weight(shard, f"{p}.index_kpool_compress_ape")
+            if ape is None:
+                raise ValueError(f"no {p}.index_kpool_compress_ape")
+            op = KpoolWrite(ix.heads, ix.head_dim, ape, kpool=ix.kpool, block_size=ix.block_size,
+                            max_rows=max(tokens))  # fmt: skip
+            self._add(op, tokens, shard, f"{p}.kpool")
 
     def _dsa_indexer(self, tokens: list[int]) -> None:
         """Each full indexer layer's pool scoring and top-k selection as one `IndexerTopk`
         launch, after the pool write (route `self_attn.indexer.topk`; vLLM's FP8 pages)."""
-        b, ix = self.backbone, self.backbone.indexer
-        if ix is None:
-            raise ValueError("the backbone's indexers do not take the selection stage "
-                             "(Backbone.indexer)")  # fmt: skip
-        for layer in (x for x in self.layers if x.attention == "mla"):
-            for shard in b.shards:
-                p = f"layers.{layer.index}.self_attn.indexer"
-                if b.weight(shard, f"{p}.wk.weight") is None:
-                    continue  # a shared indexer layer: it reuses the last full layer's list
-                op = IndexerTopk(ix.heads, ix.head_dim, kpool=ix.kpool, topk=ix.topk,
-                                 tail=ix.tail, max_rows=max(tokens), max_pools=ix.max_pools,
-                                 device=b.weight(shard, f"{p}.wk.weight").device)  # fmt: skip
-                self._add(op, tokens, shard, f"{p}.topk")
+        ix = self.backbone.indexer
+        for shard, p, wk in self._indexers("dsa_indexer"):
+            op = IndexerTopk(ix.heads, ix.head_dim, kpool=ix.kpool, topk=ix.topk, tail=ix.tail,
+                             max_rows=max(tokens), max_pools=ix.max_pools,
+                             device=wk.device)  # fmt: skip
+            self._add(op, tokens, shard, f"{p}.topk")
 
     def prepare(self) -> set[str]:
         """Compile every stage op for its token counts (before any CUDA-graph capture). A

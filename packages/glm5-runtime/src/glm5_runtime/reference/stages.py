@@ -8,7 +8,7 @@ torch references as the one spec per op; matmuls of BF16 weights run in BF16 as
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -48,7 +48,8 @@ class Step:
     the state after each token goes (-1: not stored; a decode writes in place, a verify keeps
     every token's, so accepting n resumes from write_slots[:, n - 1]); conv_slots [R]: the
     request's conv state row, whose W-1 window starts at column conv_offset [R] (n - 1
-    after accepting n). tail_rows [R]: each request's indexer ring."""
+    after accepting n). tail_rows [R]: each request's indexer ring. row_request [R * T]: each
+    token row's request (derived, once per step: the MLA stages' routes take it)."""
 
     positions: Tensor
     slots: Tensor
@@ -60,6 +61,12 @@ class Step:
     tail_rows: Tensor
     block_size: int
     keep_states: bool = False
+    row_request: Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        requests, tokens = self.positions.shape
+        rows = torch.arange(requests, device=self.positions.device)
+        self.row_request = rows.repeat_interleave(tokens)
 
 
 class RankStages:
@@ -208,9 +215,8 @@ class RankStages:
             # The absorbed query as the stage takes it, BF16: one batched GEMM on the weight
             # as stored (FP32 accumulation, one rounding), no FP32 copy of kv_b per step.
             q_lat = torch.einsum("rthn,hnl->rthl", q, kv_b[:, :nope])
-            rows = torch.arange(R, device=x.device).repeat_interleave(T)
             o = fused(q_lat.reshape(R * T, heads, lora), self.c.latent[layer],
-                      step.block_table, rows, topk.reshape(R * T, -1))  # fmt: skip
+                      step.block_table, step.row_request, topk.reshape(R * T, -1))  # fmt: skip
             return self.linear(o.reshape(R, T, heads * vd), f"{a}.o_proj.weight"), topk
         kv_b = kv_b.float()
         w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]
@@ -260,10 +266,9 @@ class RankStages:
             weights = F.linear(x.float(), self.w[f"{n}.weights_proj.weight"].float())
             fused = self.routes.get(f"{n}.topk")  # the selection stage: scores + top-k
             if fused is not None and fused.supports(R * T):
-                rows = torch.arange(R, device=x.device).repeat_interleave(T)
                 tokens = fused(q8.reshape(R * T, ih, hd), q_scale.reshape(R * T, ih),
-                               weights.reshape(R * T, ih), kpool, step.block_table, rows,
-                               pos.reshape(R * T))  # fmt: skip
+                               weights.reshape(R * T, ih), kpool, step.block_table,
+                               step.row_request, pos.reshape(R * T))  # fmt: skip
                 return tokens.view(R, T, width).long()
             page_keys, page_scales = _pages(kpool)
             pool_keys = page_keys[step.block_table].reshape(R, -1, hd).view(torch.float8_e4m3fn)
