@@ -205,8 +205,6 @@ class RankStages:
             topk = self.indexer(layer, x, q_resid, step)
         if topk is None:
             raise ValueError(f"layers.{layer}: a shared indexer layer needs a full layer before it")
-        valid = topk >= 0  # [R, T, W]
-        idx = topk.clamp(min=0)
         # Absorbed MLA: q·(W_uk c) = (W_uk^T q)·c, and o = W_uv (p·c): exact, without
         # expanding every selected token to all heads.
         kv_b = self.w[f"{a}.kv_b_proj.weight"].reshape(heads, nope + vd, lora)
@@ -221,6 +219,8 @@ class RankStages:
         kv_b = kv_b.float()
         w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]
         q_lat = torch.einsum("rthn,hnl->rthl", q.float(), w_uk)
+        valid = topk >= 0  # [R, T, W]
+        idx = topk.clamp(min=0).long()  # the selection stage's are int32
         cached = latent[_slots(idx, step)].float()  # [R, T, W, lora]
         scores = (
             torch.einsum("rthl,rtwl->rthw", q_lat, cached) * (nope + g.qk_rope_head_dim) ** -0.5
@@ -269,7 +269,7 @@ class RankStages:
                 tokens = fused(q8.reshape(R * T, ih, hd), q_scale.reshape(R * T, ih),
                                weights.reshape(R * T, ih), kpool, step.block_table,
                                step.row_request, pos.reshape(R * T))  # fmt: skip
-                return tokens.view(R, T, width).long()
+                return tokens.view(R, T, width)  # int32: the sparse stage reads it as is
             page_keys, page_scales = _pages(kpool)
             pool_keys = page_keys[step.block_table].reshape(R, -1, hd).view(torch.float8_e4m3fn)
             pool_scales = page_scales[step.block_table].reshape(R, -1)
