@@ -33,7 +33,8 @@ class KpoolWrite:
         self.heads, self.head_dim, self.kpool, self.block_size = heads, head_dim, kpool, block_size
         self.max_rows, self.ape = max_rows, ape.contiguous()
         dev = ape.device
-        self._had = _hadamard(head_dim, str(dev)).contiguous()
+        # The Hadamard matrix as its signs (BF16, exact) and one scale: see triton_kpool.
+        self._sign = _hadamard(head_dim, str(dev)).sign().bfloat16().contiguous()
         self._pdl, self._interp = _pdl(dev), _interpreting()
         from glm5_kernels.dsa.triton_kpool import kpool_write_kernel
 
@@ -65,9 +66,9 @@ class KpoolWrite:
         q8 = torch.empty(r, t, h, hd, dtype=torch.float8_e4m3fn, device=k.device)
         qs = torch.empty(r, t, h, dtype=torch.float32, device=k.device)
         self._kernel[(r * t,)](
-            k, gate, q, tail, pages, pages.view(torch.float32), self.ape, self._had,
+            k, gate, q, tail, pages, pages.view(torch.float32), self.ape, self._sign,
             block_table, positions, tail_rows, q8, qs,
-            t, tail.shape[2], pages.shape[1], pages.stride(0), self.block_size,
+            t, tail.shape[2], pages.shape[1], pages.stride(0), self.block_size, hd**-0.5,
             k.stride(1), gate.stride(1), q.stride(1), q.stride(2), tail.stride(0),
             tail.stride(1), block_table.stride(0),
             IH=max(16, 1 << (h - 1).bit_length()), H=h, HD=hd, KP=self.kpool,

@@ -5,10 +5,11 @@
 pages, q . k for every indexer head on the tensor cores (e4m3 in, FP32 out), relu, times
 the key scale, summed over the heads with the row's head weights — and stores the scores
 (-inf for pools that end after the row's position). The last CTA of the row to arrive (an
-acq_rel counter it resets, so a CUDA graph replays it) selects: scores become order-keeping
-integer keys, a 32-step bitwise search finds the count-th largest visible key, and the pools
-above it plus the first pools equal to it (ascending pool order: the reference's stable tie
-break) are written out in pool order, kpool token positions each, then the tail and -1s.
+acq_rel counter it resets, so a CUDA graph replays it) selects over the row's visible pools
+only: scores become order-keeping integer keys, four radix passes (a 256-bin histogram of one
+byte each) find the count-th largest key, and the pools above it plus the first pools equal
+to it (ascending pool order: the reference's stable tie break) are written out in pool order,
+kpool token positions each, then the tail and -1s.
 """
 
 import triton
@@ -26,11 +27,11 @@ def _keys(scores):
 @triton.jit
 def indexer_topk_kernel(
     q_ptr, qs_ptr, w_ptr, page_ptr, scale_ptr, bt_ptr, req_ptr, pos_ptr,
-    score_ptr, pool_ptr, count_ptr, out_ptr,
+    score_ptr, count_ptr, out_ptr,
     P, S, stride_pb, per_split, count, width, weight_scale,
     stride_qn, stride_qh, stride_wn, stride_bt, stride_on,
     IH: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, KP: tl.constexpr, BP: tl.constexpr,
-    PMAX: tl.constexpr, BC: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr,
+    PMAX: tl.constexpr, BC: tl.constexpr, BSEL: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     n, sp = tl.program_id(0), tl.program_id(1)
     h, d = tl.arange(0, IH), tl.arange(0, HD)
@@ -65,32 +66,55 @@ def indexer_topk_kernel(
     tl.debug_barrier()
     arrived = tl.atomic_add(count_ptr + n, 1, sem="acq_rel")
     if arrived == tl.num_programs(1) - 1:
-        p = tl.arange(0, PMAX)
-        visible = ((p + 1) * KP - 1 <= pos) & (p < P)
-        # .cg: L1 is not coherent across SMs; the other splits' scores live in L2.
-        key = _keys(tl.load(score_ptr + n * PMAX + p, mask=p < P, other=0.0,
-                            cache_modifier=".cg"))  # fmt: skip
-        k_eff = tl.minimum(tl.sum(visible.to(tl.int32), axis=0), count)
+        # The visible pools are a prefix of the table: the selection's passes walk only them
+        # (a short context costs its own length, not the table's).
+        vis = tl.minimum((pos + 1) // KP, P).to(tl.int32)
+        k_eff = tl.minimum(vis, count)
+        bins = tl.arange(0, 256)
+        # The count-th largest key, a byte a pass, most significant first: histogram the
+        # next byte of the keys that share the bytes found so far, take the byte where the
+        # count from the top reaches `need`, keep what is still needed among its keys. With
+        # vis <= count every visible pool is taken (threshold 0, need vis): no pass runs.
         thr = tl.zeros([], tl.int64)
-        for b in tl.static_range(32):  # the largest t with k_eff visible keys >= t
-            cand = thr + (1 << (31 - b))
-            above = tl.sum((visible & (key >= cand)).to(tl.int32), axis=0)
-            thr = tl.where(above >= k_eff, cand, thr)
-        gt = visible & (key > thr)
-        need = k_eff - tl.sum(gt.to(tl.int32), axis=0)
-        eq = visible & (key == thr)
-        sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= need))
-        at = tl.cumsum(sel.to(tl.int32), axis=0) - 1  # the pool's place in pool order
-        tl.store(pool_ptr + n * PMAX + at, p, mask=sel)
-        tl.debug_barrier()
+        need = k_eff
+        if vis > count:
+            for shift in tl.static_range(24, -1, -8):
+                hist = tl.zeros([256], tl.int32)
+                for c0 in range(0, vis, BSEL):
+                    p = c0 + tl.arange(0, BSEL)
+                    pm = p < vis
+                    # .cg: L1 is not coherent across SMs; the other splits' scores are in L2.
+                    key = _keys(tl.load(score_ptr + n * PMAX + p, mask=pm, other=0.0,
+                                        cache_modifier=".cg"))  # fmt: skip
+                    digit = ((key >> shift) & 255).to(tl.int32)
+                    hist += tl.histogram(digit, 256, mask=pm & ((key >> (shift + 8)) == thr))
+                ge = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # digit >= bin
+                byte = tl.max(tl.where(ge >= need, bins, -1), axis=0)
+                need -= tl.sum(tl.where(bins > byte, hist, 0), axis=0)
+                thr = thr * 256 + byte
+        # Pools above the threshold, then the first `need` equal to it (ascending pool order:
+        # the reference's stable tie break), each written as kpool tokens at its place in
+        # pool order.
         j = tl.arange(0, KP)
-        for c0 in range(0, count, BC):
-            c = c0 + tl.arange(0, BC)
-            pool = tl.load(pool_ptr + n * PMAX + c, mask=c < k_eff, other=-1).to(tl.int64)
-            tok = tl.where(pool[:, None] >= 0, pool[:, None] * KP + j[None, :], -1)
-            tl.store(out_ptr + n * stride_on + c[:, None] * KP + j[None, :], tok.to(tl.int32),
-                     mask=(c < count)[:, None])  # fmt: skip
+        taken = tl.zeros([], tl.int32)
+        ties = tl.zeros([], tl.int32)
+        for c0 in range(0, vis, BSEL):
+            p = c0 + tl.arange(0, BSEL)
+            pm = p < vis
+            key = _keys(tl.load(score_ptr + n * PMAX + p, mask=pm, other=0.0,
+                                cache_modifier=".cg"))  # fmt: skip
+            eq = pm & (key == thr)
+            sel = (pm & (key > thr)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), axis=0) <= need))
+            at = taken + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            tok = p[:, None] * KP + j[None, :]
+            tl.store(out_ptr + n * stride_on + at[:, None] * KP + j[None, :], tok.to(tl.int32),
+                     mask=sel[:, None])  # fmt: skip
+            taken += tl.sum(sel.to(tl.int32), axis=0)
+            ties += tl.sum(eq.to(tl.int32), axis=0)
         start = count * KP
+        for w0 in range(k_eff * KP, start, BC):  # picks beyond the visible pools
+            w = w0 + tl.arange(0, BC)
+            tl.store(out_ptr + n * stride_on + w, tl.full([BC], -1, tl.int32), mask=w < start)
         if TAIL:  # the incomplete last pool's tokens up to the position, always selected
             filled = (pos + 1) % KP
             tok = tl.where(j < filled, pos + 1 - filled + j, -1)

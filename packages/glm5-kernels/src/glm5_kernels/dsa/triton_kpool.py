@@ -1,7 +1,8 @@
 """Triton kernel of the indexer's pool write (`kpool_ref.kpool_write_ref`'s contract).
 
 `kpool_write_kernel`: a CTA per token row. It rotates the row's indexer queries (every head
-times the Hadamard matrix, FP32, rounded to BF16 as the reference's matmul output) and casts
+times the Hadamard matrix on the tensor cores, FP32 sums rounded to BF16 as the reference's
+matmul output) and casts
 them to FP8 with one power-of-two scale a head. If the token completes a pool, it gathers
 the pool's members — this step's rows for tokens of this step, the request's ring for
 earlier ones — forms the gated softmax pool over them (channel by channel, plus the learned
@@ -14,16 +15,22 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from glm5_kernels.dsa.triton_attn import _dot
 from glm5_kernels.gemm.triton_skinny import _bf16, _round_nearest
 
 FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
-def _rotate_quant(x, had, INTERPRETER: tl.constexpr):
-    """x [M, HD] FP32 -> (e4m3 codes of bf16(x @ had) / scale, the power-of-two scales [M]:
-    2^ceil(log2(max(amax, 1e-4) / 448)), from the bits, exact)."""
-    y = _bf16(tl.dot(x, had, input_precision="ieee"), INTERPRETER)
+def _rotate_quant(x, sign, had_scale, INTERPRETER: tl.constexpr):
+    """x [M, HD] BF16 values -> (e4m3 codes of bf16(x @ had) / scale, the power-of-two scales
+    [M]: 2^ceil(log2(max(amax, 1e-4) / 448)), from the bits, exact).
+
+    had = sign * had_scale: the ±1 matrix makes every product exact, so the BF16 tensor cores
+    sum them in FP32 and one multiply scales (an FP32 dot of the [HD, HD] matrix spilled its
+    registers and ran ~100x slower); this differs from the reference's FP32 matmul only in
+    FP32 rounding, below the BF16 rounding that follows."""
+    y = _bf16(_dot(x.to(tl.bfloat16), sign, INTERPRETER) * had_scale, INTERPRETER)
     amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-4)
     if INTERPRETER:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
         v = amax / FP8_MAX
@@ -39,9 +46,9 @@ def _rotate_quant(x, had, INTERPRETER: tl.constexpr):
 
 @triton.jit
 def kpool_write_kernel(
-    k_ptr, g_ptr, q_ptr, tail_ptr, page_ptr, pscale_ptr, ape_ptr, had_ptr,
+    k_ptr, g_ptr, q_ptr, tail_ptr, page_ptr, pscale_ptr, ape_ptr, sign_ptr,
     bt_ptr, pos_ptr, trow_ptr, q8_ptr, qs_ptr,
-    T, ring, S, stride_pb, block_size,
+    T, ring, S, stride_pb, block_size, had_scale,
     stride_k, stride_g, stride_qn, stride_qh, stride_tr, stride_tc, stride_bt,
     IH: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, KP: tl.constexpr,
     INTERPRETER: tl.constexpr, PDL: tl.constexpr,
@@ -50,7 +57,7 @@ def kpool_write_kernel(
     r = n // T
     d = tl.arange(0, HD)
     # The weights first: they do not depend on the previous kernel.
-    had = tl.load(had_ptr + d[:, None] * HD + d[None, :])
+    sign = tl.load(sign_ptr + d[:, None] * HD + d[None, :])  # the Hadamard matrix's signs
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -60,8 +67,8 @@ def kpool_write_kernel(
     h = tl.arange(0, IH)
     hm = h < H  # IH: the heads padded to the MMA's 16 rows
     q = tl.load(q_ptr + n * stride_qn + h[:, None] * stride_qh + d[None, :], mask=hm[:, None],
-                other=0.0).to(tl.float32)  # fmt: skip
-    q8, qs = _rotate_quant(q, had, INTERPRETER)
+                other=0.0)  # fmt: skip
+    q8, qs = _rotate_quant(q, sign, had_scale, INTERPRETER)
     tl.store(q8_ptr + (n * H + h[:, None]) * HD + d[None, :], q8, mask=hm[:, None])
     tl.store(qs_ptr + n * H + h, qs, mask=hm)
     if (pos + 1) % KP == 0:
@@ -81,7 +88,7 @@ def kpool_write_kernel(
         p = p / tl.sum(p, axis=0)[None, :]
         pooled = _bf16(tl.sum(p * kk.to(tl.float32), axis=0), INTERPRETER)
         tile = tl.where((tl.arange(0, 16) == 0)[:, None], pooled[None, :], 0.0)  # [16, HD]
-        y8, ys = _rotate_quant(tile, had, INTERPRETER)
+        y8, ys = _rotate_quant(tile, sign, had_scale, INTERPRETER)
         first = pos - KP + 1
         block = tl.load(bt_ptr + r * stride_bt + first // block_size).to(tl.int64)
         slot = (first % block_size) // KP
