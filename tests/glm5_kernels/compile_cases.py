@@ -213,7 +213,7 @@ def kda_cases(arch: int) -> int:
 def dsa_cases(arch: int) -> int:
     """The sparse MLA decode at GLM-5.3-Flash's latent (512) and value dim (256): the split
     attention and the merge + value-up, with the op's tiles and warps."""
-    from glm5_kernels.dsa.attention import BH, BN, BV, BW, WARPS
+    from glm5_kernels.dsa.attention import BH, BN, BV, BW, SB, WARPS
     from glm5_kernels.dsa.triton_attn import sparse_mla_split_kernel, value_up_kernel
 
     ints = ("N", "H", "W", "chunk", "bs", "stride_qn", "stride_qh", "stride_cb", "stride_c",
@@ -225,14 +225,16 @@ def dsa_cases(arch: int) -> int:
           **{n: "i32" for n in ("N", "H", "Vd", "splits", "stride_wh", "stride_wv",
                                 "stride_on", "stride_oh")}}  # fmt: skip
     common = {"L": 512, "INTERPRETER": False, "PDL": True}
-    # The merge one split at a time (64 heads) and 8 at a time (16: attention.merge_unroll).
+    # The merge one split at a time (64 heads) and 8 at a time (16: attention.merge_unroll),
+    # and row at a time (few rows: no MMA).
     cases = [(sparse_mla_split_kernel, split, {"BH": BH, "BW": BW, **common}),
-             *((value_up_kernel, up, {"BN": BN, "BV": BV, "UNROLL": u, **common})
-               for u in (1, 8))]  # fmt: skip
+             *((value_up_kernel, up, {"BN": BN, "BV": BV, "UNROLL": u, "SB": SB,
+                                      "ROWWISE": rowwise, **common})
+               for u, rowwise in ((1, False), (8, False), (8, True)))]  # fmt: skip
     for kernel, types, constexprs in cases:
         ptx = _compile(kernel, types, constexprs, arch, num_warps=WARPS)
         assert "griddepcontrol.wait" in ptx and "st.local" not in ptx, kernel.fn.__name__
-        if arch == 90:  # tensor cores
+        if arch == 90 and not constexprs.get("ROWWISE"):  # tensor cores
             assert "mma" in ptx, kernel.fn.__name__
     return len(cases)
 

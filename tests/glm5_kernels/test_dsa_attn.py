@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+import glm5_kernels.dsa.attention as attention
 from glm5_kernels.dsa import SparseMlaDecode, sparse_mla_decode_ref
 
 pytestmark = pytest.mark.skipif(
@@ -52,7 +53,10 @@ def _close(got, want):
     [(3, 2, 2, 40, 50), (20, 5, 3, 150, 200), (16, 1, 1, 7, 7), (4, 1, 1, 600, 700)],
     ids=["few-heads", "two-head-tiles", "short-context", "merge-groups"],
 )
-def test_matches_the_reference(heads, rows, requests, width, context):
+@pytest.mark.parametrize("rowwise", [0, 8], ids=["tiled-merge", "rowwise-merge"])
+def test_matches_the_reference(heads, rows, requests, width, context, rowwise, monkeypatch):
+    """`rowwise`: steps of up to that many rows merge row at a time (0: never)."""
+    monkeypatch.setattr(attention, "ROWWISE_ROWS", rowwise)
     gen = torch.Generator().manual_seed(heads + rows)
     q, cache, table, request, indices, w_uv = _case(gen, heads, rows, requests, width, context)
     if rows > 1:

@@ -13,6 +13,8 @@ __all__ = ["SparseMlaDecode"]
 
 BH, BW, BN, BV = 16, 32, 16, 64  # heads, selected tokens, query rows, value columns a tile
 WARPS = 8  # [16, 512] FP32 accumulators and [32, 512] BF16 latent tiles without spills
+SB = 16  # splits a merge step of the row-at-a-time merge
+ROWWISE_ROWS = 4  # steps of up to this many rows merge row at a time (see _merge_rows_value_up)
 
 
 def merge_unroll(heads: int) -> int:
@@ -61,14 +63,16 @@ class SparseMlaDecode:
         return max(1, min(-(-2 * self._sms // ctas), -(-selected // BW)))
 
     def prepare(self, tokens=None) -> None:
-        """Compile both kernels and size the workspace for `max_rows` rows (the split count
-        bounds rows x splits by the SMs), before any CUDA-graph capture."""
+        """Compile both kernels (the value-up's row-at-a-time and tiled merges) and size the
+        workspace for `max_rows` rows (the split count bounds rows x splits by the SMs),
+        before any CUDA-graph capture."""
         dev, h, lat = self._device, self.heads, self.lat
         self._room(max(r * self.splits(r, 1 << 16) for r in range(1, self.max_rows + 1)))
-        q = torch.zeros(1, h, lat, dtype=torch.bfloat16, device=dev)
         cache = torch.zeros(1, 16, lat, dtype=torch.bfloat16, device=dev)
-        one = torch.zeros(1, 1, dtype=torch.int32, device=dev)
-        self(q, cache, one, one[0], one)
+        for n in sorted({1, min(self.max_rows, ROWWISE_ROWS + 1)}):
+            q = torch.zeros(n, h, lat, dtype=torch.bfloat16, device=dev)
+            idx = torch.zeros(n, 1, dtype=torch.int32, device=dev)
+            self(q, cache, idx[:1], idx[:, 0], idx)
         self._ready = True
 
     def _room(self, rows_x_splits: int) -> None:
@@ -109,8 +113,9 @@ class SparseMlaDecode:
             self._part_o, self._part_ml, self.w_uv, out,
             n, self.heads, self.vd, splits, self.w_uv.stride(0), self.w_uv.stride(1),
             out.stride(0), out.stride(1),
-            L=self.lat, BN=BN, BV=BV, UNROLL=merge_unroll(self.heads), INTERPRETER=self._interp,
-            PDL=self._pdl, num_warps=WARPS, launch_pdl=self._pdl,
+            L=self.lat, BN=BN, BV=BV, UNROLL=merge_unroll(self.heads), SB=SB,
+            ROWWISE=n <= ROWWISE_ROWS, INTERPRETER=self._interp, PDL=self._pdl, num_warps=WARPS,
+            launch_pdl=self._pdl,
         )  # fmt: skip
         return out
 

@@ -11,7 +11,9 @@ GPU (a 2063-token selection is 65 blocks of 32).
 `value_up_kernel`: a CTA per (head, BV output columns) holds W_uv's [BV, L] tile (loaded
 before the PDL wait: it does not depend on the attention) and, for blocks of BN query rows,
 merges the splits (each rescaled to the common max) into o [BN, L], then o . W_uv^T on the
-tensor cores: every head's weights are read once a step, however many rows there are.
+tensor cores: every head's weights are read once a step, however many rows there are. A
+step of a few rows (ROWWISE) merges each row's splits SB at a time instead, in one pass:
+the one-row step's ~65 splits are ~5 dependent loads, not ~18 rounds.
 """
 
 import triton
@@ -78,11 +80,45 @@ def sparse_mla_split_kernel(
 
 
 @triton.jit
+def _merge_rows_value_up(part_o_ptr, part_ml_ptr, w, out_ptr, h, v, vm, N, H, splits,
+                         stride_on, stride_oh, L: tl.constexpr, SB: tl.constexpr,
+                         INTERPRETER: tl.constexpr):  # fmt: skip
+    """A few rows (ROWWISE): each row's splits merged SB at a time in one pass ([SB, L] tiles,
+    an online rescale to the running max), so a one-row step of ~65 splits waits on ~5 loads
+    instead of one per split; then o . W_uv^T on the CUDA cores (one row: no MMA tile)."""
+    lat = tl.arange(0, L)
+    for n in range(0, N):
+        m = tl.full([], float("-inf"), tl.float32)
+        den = tl.zeros([], tl.float32)
+        o = tl.zeros([L], tl.float32)
+        for s0 in range(0, splits, SB):
+            s = s0 + tl.arange(0, SB)
+            sm = s < splits
+            row = (s * N + n) * H + h
+            mi = tl.load(part_ml_ptr + row * 2, mask=sm, other=float("-inf"))
+            li = tl.load(part_ml_ptr + row * 2 + 1, mask=sm, other=0.0)
+            part = tl.load(part_o_ptr + row[:, None] * L + lat[None, :], mask=sm[:, None],
+                           other=0.0)  # fmt: skip
+            m_new = tl.maximum(m, tl.max(mi, axis=0))
+            base = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: all zero
+            alpha = tl.exp(m - base)
+            f = tl.exp(mi - base)
+            den = den * alpha + tl.sum(f * li, axis=0)
+            o = o * alpha + tl.sum(f[:, None] * part, axis=0)
+            m = m_new
+        o = o / tl.where(den > 0.0, den, 1.0)  # no token selected: zero
+        o = _narrow(o, tl.bfloat16, INTERPRETER).to(tl.float32)  # as the MMA path's operand
+        y = tl.sum(w.to(tl.float32) * o[None, :], axis=1)  # [BV]
+        tl.store(out_ptr + n * stride_on + h * stride_oh + v,
+                 _narrow(y, tl.bfloat16, INTERPRETER), mask=vm)  # fmt: skip
+
+
+@triton.jit
 def value_up_kernel(
     part_o_ptr, part_ml_ptr, w_ptr, out_ptr,
     N, H, Vd, splits, stride_wh, stride_wv, stride_on, stride_oh,
     L: tl.constexpr, BN: tl.constexpr, BV: tl.constexpr, UNROLL: tl.constexpr,
-    INTERPRETER: tl.constexpr, PDL: tl.constexpr,
+    SB: tl.constexpr, ROWWISE: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     h, vb = tl.program_id(0), tl.program_id(1)
     v = vb * BV + tl.arange(0, BV)
@@ -94,31 +130,37 @@ def value_up_kernel(
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    for n0 in range(0, N, BN):
-        rows = n0 + tl.arange(0, BN)
-        rm = rows < N
-        # The splits UNROLL at a time (the last group masked), so that their partials' loads
-        # need not wait on each other (attention.merge_unroll says where it pays). A full
-        # unroll over 64 splits took minutes to compile.
-        top = tl.full([BN], float("-inf"), tl.float32)
-        for s0 in range(0, splits, UNROLL):
-            for j in tl.static_range(UNROLL):
-                ml = part_ml_ptr + (((s0 + j) * N + rows) * H + h) * 2
-                here = rm & (s0 + j + tl.zeros_like(rows) < splits)
-                top = tl.maximum(top, tl.load(ml, mask=here, other=float("-inf")))
-        base = tl.where(top == float("-inf"), 0.0, top)
-        den = tl.zeros([BN], tl.float32)
-        o = tl.zeros([BN, L], tl.float32)
-        for s0 in range(0, splits, UNROLL):
-            for j in tl.static_range(UNROLL):
-                row = ((s0 + j) * N + rows) * H + h
-                here = rm & (s0 + j + tl.zeros_like(rows) < splits)
-                f = tl.exp(tl.load(part_ml_ptr + row * 2, mask=here, other=float("-inf")) - base)
-                den += f * tl.load(part_ml_ptr + row * 2 + 1, mask=here, other=0.0)
-                part = tl.load(part_o_ptr + row[:, None] * L + lat[None, :], mask=here[:, None],
-                               other=0.0)  # fmt: skip
-                o += f[:, None] * part
-        o = o / tl.where(den > 0.0, den, 1.0)[:, None]  # no token selected: zero
-        y = _dot(_narrow(o, tl.bfloat16, INTERPRETER), tl.trans(w), INTERPRETER)  # [BN, BV]
-        tl.store(out_ptr + rows[:, None] * stride_on + h * stride_oh + v[None, :],
-                 _narrow(y, tl.bfloat16, INTERPRETER), mask=rm[:, None] & vm[None, :])  # fmt: skip
+    if ROWWISE:
+        _merge_rows_value_up(part_o_ptr, part_ml_ptr, w, out_ptr, h, v, vm, N, H, splits,
+                             stride_on, stride_oh, L, SB, INTERPRETER)  # fmt: skip
+    else:
+        for n0 in range(0, N, BN):
+            rows = n0 + tl.arange(0, BN)
+            rm = rows < N
+            # The splits UNROLL at a time (the last group masked), so that their partials'
+            # loads need not wait on each other (attention.merge_unroll says where it pays).
+            # A full unroll over 64 splits took minutes to compile.
+            top = tl.full([BN], float("-inf"), tl.float32)
+            for s0 in range(0, splits, UNROLL):
+                for j in tl.static_range(UNROLL):
+                    ml = part_ml_ptr + (((s0 + j) * N + rows) * H + h) * 2
+                    here = rm & (s0 + j + tl.zeros_like(rows) < splits)
+                    top = tl.maximum(top, tl.load(ml, mask=here, other=float("-inf")))
+            base = tl.where(top == float("-inf"), 0.0, top)
+            den = tl.zeros([BN], tl.float32)
+            o = tl.zeros([BN, L], tl.float32)
+            for s0 in range(0, splits, UNROLL):
+                for j in tl.static_range(UNROLL):
+                    row = ((s0 + j) * N + rows) * H + h
+                    here = rm & (s0 + j + tl.zeros_like(rows) < splits)
+                    mi = tl.load(part_ml_ptr + row * 2, mask=here, other=float("-inf"))
+                    f = tl.exp(mi - base)
+                    den += f * tl.load(part_ml_ptr + row * 2 + 1, mask=here, other=0.0)
+                    part = tl.load(part_o_ptr + row[:, None] * L + lat[None, :],
+                                   mask=here[:, None], other=0.0)  # fmt: skip
+                    o += f[:, None] * part
+            o = o / tl.where(den > 0.0, den, 1.0)[:, None]  # no token selected: zero
+            y = _dot(_narrow(o, tl.bfloat16, INTERPRETER), tl.trans(w), INTERPRETER)  # [BN, BV]
+            tl.store(out_ptr + rows[:, None] * stride_on + h * stride_oh + v[None, :],
+                     _narrow(y, tl.bfloat16, INTERPRETER),
+                     mask=rm[:, None] & vm[None, :])  # fmt: skip

@@ -6,10 +6,11 @@ pages, q . k for every indexer head on the tensor cores (e4m3 in, FP32 out), rel
 the key scale, summed over the heads with the row's head weights — and stores the scores
 (-inf for pools that end after the row's position). The last CTA of the row to arrive (an
 acq_rel counter it resets, so a CUDA graph replays it) selects over the row's visible pools
-only: scores become order-keeping integer keys, four radix passes (a 256-bin histogram of one
-byte each) find the count-th largest key, and the pools above it plus the first pools equal
-to it (ascending pool order: the reference's stable tie break) are written out in pool order,
-kpool token positions each, then the tail and -1s.
+only: scores become order-keeping integer keys, eight passes find the count-th largest key 4
+bits at a time (sixteen counts a pass in one reduction; keys in registers up to BSEL pools,
+streamed from L2 beyond), and the pools above it plus the first pools equal to it (ascending
+pool order: the reference's stable tie break) are written out in pool order, kpool token
+positions each, then the tail and -1s.
 """
 
 import triton
@@ -22,6 +23,46 @@ def _keys(scores):
     """FP32 -> int64 keys in the same order (-0 just below +0)."""
     b = scores.to(tl.int32, bitcast=True).to(tl.int64)
     return tl.where(b >= 0, b + 2147483648, -1 - b)
+
+
+@triton.jit
+def _load_keys(score_ptr, p, pm):
+    # .cg: L1 is not coherent across SMs; the other splits' scores are in L2.
+    return _keys(tl.load(score_ptr + p, mask=pm, other=0.0, cache_modifier=".cg"))
+
+
+@triton.jit
+def _at_least(key, pm, hi, shift: tl.constexpr):
+    """[16]: how many keys sharing the digits `hi` above `shift` have a next 4-bit digit >= j
+    (sixteen counts in one reduction: one round of the CTA's barrier, not sixteen)."""
+    digit = (key >> shift) & 15
+    cand = pm & ((key >> (shift + 4)) == hi)
+    j = tl.arange(0, 16)
+    return tl.sum((cand[None, :] & (digit[None, :] >= j[:, None])).to(tl.int32), axis=1)
+
+
+@triton.jit
+def _digit(ge, need, hi):
+    """The next digit of the need-th largest key among the candidates (ge: _at_least's
+    counts): the largest j with ge[j] >= need; what is still needed among its keys."""
+    j = tl.arange(0, 16)
+    digit = tl.max(tl.where(ge >= need, j, -1), axis=0)
+    above = tl.sum(tl.where(j == digit + 1, ge, 0), axis=0)  # keys with a larger digit
+    return need - above, hi * 16 + digit
+
+
+@triton.jit
+def _emit(key, pm, p, thr, need, taken, ties, out_row, KP: tl.constexpr):
+    """The selected pools among `p`: above the threshold, or equal to it and among the first
+    `need` such (ascending pool order: the reference's stable tie break); each written as KP
+    token positions at its place in pool order (`taken` before this chunk)."""
+    eq = pm & (key == thr)
+    sel = (pm & (key > thr)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), axis=0) <= need))
+    at = taken + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    j = tl.arange(0, KP)
+    tl.store(out_row + at[:, None] * KP + j[None, :], (p[:, None] * KP + j[None, :]).to(tl.int32),
+             mask=sel[:, None])  # fmt: skip
+    return taken + tl.sum(sel.to(tl.int32), axis=0), ties + tl.sum(eq.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -66,51 +107,42 @@ def indexer_topk_kernel(
     tl.debug_barrier()
     arrived = tl.atomic_add(count_ptr + n, 1, sem="acq_rel")
     if arrived == tl.num_programs(1) - 1:
-        # The visible pools are a prefix of the table: the selection's passes walk only them
-        # (a short context costs its own length, not the table's).
+        # The visible pools are a prefix of the table: the selection walks only them (a
+        # short context costs its own length, not the table's).
         vis = tl.minimum((pos + 1) // KP, P).to(tl.int32)
         k_eff = tl.minimum(vis, count)
-        bins = tl.arange(0, 256)
-        # The count-th largest key, a byte a pass, most significant first: histogram the
-        # next byte of the keys that share the bytes found so far, take the byte where the
-        # count from the top reaches `need`, keep what is still needed among its keys. With
-        # vis <= count every visible pool is taken (threshold 0, need vis): no pass runs.
+        # The count-th largest key, 4 bits a pass, most significant first (_at_least,
+        # _digit). With vis <= count every visible pool is taken (threshold 0, need vis):
+        # no pass runs. Up to BSEL pools the keys stay in registers from one load; beyond,
+        # each pass streams them from L2 in chunks.
         thr = tl.zeros([], tl.int64)
         need = k_eff
-        if vis > count:
-            for shift in tl.static_range(24, -1, -8):
-                hist = tl.zeros([256], tl.int32)
+        taken = tl.zeros([], tl.int32)
+        ties = tl.zeros([], tl.int32)
+        row = score_ptr + n * PMAX
+        out_row = out_ptr + n * stride_on
+        if vis <= BSEL:
+            p = tl.arange(0, BSEL)
+            pm = p < vis
+            key = _load_keys(row, p, pm)
+            if vis > count:
+                for shift in tl.static_range(28, -1, -4):
+                    need, thr = _digit(_at_least(key, pm, thr, shift), need, thr)
+            taken, ties = _emit(key, pm, p, thr, need, taken, ties, out_row, KP)
+        else:
+            for shift in tl.static_range(28, -1, -4):
+                ge = tl.zeros([16], tl.int32)
                 for c0 in range(0, vis, BSEL):
                     p = c0 + tl.arange(0, BSEL)
                     pm = p < vis
-                    # .cg: L1 is not coherent across SMs; the other splits' scores are in L2.
-                    key = _keys(tl.load(score_ptr + n * PMAX + p, mask=pm, other=0.0,
-                                        cache_modifier=".cg"))  # fmt: skip
-                    digit = ((key >> shift) & 255).to(tl.int32)
-                    hist += tl.histogram(digit, 256, mask=pm & ((key >> (shift + 8)) == thr))
-                ge = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # digit >= bin
-                byte = tl.max(tl.where(ge >= need, bins, -1), axis=0)
-                need -= tl.sum(tl.where(bins > byte, hist, 0), axis=0)
-                thr = thr * 256 + byte
-        # Pools above the threshold, then the first `need` equal to it (ascending pool order:
-        # the reference's stable tie break), each written as kpool tokens at its place in
-        # pool order.
+                    ge += _at_least(_load_keys(row, p, pm), pm, thr, shift)
+                need, thr = _digit(ge, need, thr)
+            for c0 in range(0, vis, BSEL):
+                p = c0 + tl.arange(0, BSEL)
+                pm = p < vis
+                taken, ties = _emit(_load_keys(row, p, pm), pm, p, thr, need, taken, ties,
+                                    out_row, KP)  # fmt: skip
         j = tl.arange(0, KP)
-        taken = tl.zeros([], tl.int32)
-        ties = tl.zeros([], tl.int32)
-        for c0 in range(0, vis, BSEL):
-            p = c0 + tl.arange(0, BSEL)
-            pm = p < vis
-            key = _keys(tl.load(score_ptr + n * PMAX + p, mask=pm, other=0.0,
-                                cache_modifier=".cg"))  # fmt: skip
-            eq = pm & (key == thr)
-            sel = (pm & (key > thr)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), axis=0) <= need))
-            at = taken + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-            tok = p[:, None] * KP + j[None, :]
-            tl.store(out_ptr + n * stride_on + at[:, None] * KP + j[None, :], tok.to(tl.int32),
-                     mask=sel[:, None])  # fmt: skip
-            taken += tl.sum(sel.to(tl.int32), axis=0)
-            ties += tl.sum(eq.to(tl.int32), axis=0)
         start = count * KP
         for w0 in range(k_eff * KP, start, BC):  # picks beyond the visible pools
             w = w0 + tl.arange(0, BC)
