@@ -242,19 +242,19 @@ def dsa_cases(arch: int) -> int:
 def indexer_cases(arch: int) -> int:
     """The indexer's selection at GLM-5.3-Flash's shapes (32 heads of 128, pools of 16, the
     top 2048 tokens + tail) for block tables up to 128k tokens (8192 pools)."""
-    from glm5_kernels.dsa.indexer import BC, BP, BSEL, WARPS
+    from glm5_kernels.dsa.indexer import BC, BP, WARPS
     from glm5_kernels.dsa.triton_indexer import indexer_topk_kernel
 
     types = {"q_ptr": "*fp8e4nv", "qs_ptr": "*fp32", "w_ptr": "*fp32", "page_ptr": "*u8",
              "scale_ptr": "*fp32", "bt_ptr": "*i32", "req_ptr": "*i32", "pos_ptr": "*i32",
-             "score_ptr": "*fp32", "count_ptr": "*i32", "out_ptr": "*i32",
+             "score_ptr": "*fp32", "pool_ptr": "*i32", "count_ptr": "*i32", "out_ptr": "*i32",
              "weight_scale": "fp32",
              **{n: "i32" for n in ("P", "S", "stride_pb", "per_split", "count", "width",
                                    "stride_qn", "stride_qh", "stride_wn", "stride_bt",
                                    "stride_on")},
              }  # fmt: skip
     constexprs = {"IH": 32, "H": 32, "HD": 128, "KP": 16, "BP": BP, "PMAX": 8192, "BC": BC,
-                  "BSEL": BSEL, "TAIL": True, "PDL": True}  # fmt: skip
+                  "TAIL": True, "PDL": True}  # fmt: skip
     ptx = _compile(indexer_topk_kernel, types, constexprs, arch, num_warps=WARPS)
     assert "griddepcontrol.wait" in ptx and "atom" in ptx, "indexer"
     assert "st.local" not in ptx, "indexer: register spills"

@@ -53,10 +53,10 @@ def _close(got, want):
     [(3, 2, 2, 40, 50), (20, 5, 3, 150, 200), (16, 1, 1, 7, 7), (4, 1, 1, 600, 700)],
     ids=["few-heads", "two-head-tiles", "short-context", "merge-groups"],
 )
-@pytest.mark.parametrize("rowwise", [0, 8], ids=["tiled-merge", "rowwise-merge"])
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tiled-merge", "rowwise-merge"])
 def test_matches_the_reference(heads, rows, requests, width, context, rowwise, monkeypatch):
-    """`rowwise`: steps of up to that many rows merge row at a time (0: never)."""
-    monkeypatch.setattr(attention, "ROWWISE_ROWS", rowwise)
+    """`rowwise`: every step merges row at a time, or none does."""
+    monkeypatch.setattr(attention, "rowwise", lambda rows, heads: rowwise)
     gen = torch.Generator().manual_seed(heads + rows)
     q, cache, table, request, indices, w_uv = _case(gen, heads, rows, requests, width, context)
     if rows > 1:

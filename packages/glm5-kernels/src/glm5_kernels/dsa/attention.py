@@ -14,7 +14,7 @@ __all__ = ["SparseMlaDecode"]
 BH, BW, BN, BV = 16, 32, 16, 64  # heads, selected tokens, query rows, value columns a tile
 WARPS = 8  # [16, 512] FP32 accumulators and [32, 512] BF16 latent tiles without spills
 SB = 16  # splits a merge step of the row-at-a-time merge
-ROWWISE_ROWS = 4  # steps of up to this many rows merge row at a time (see _merge_rows_value_up)
+ROWWISE_ROWS = 2  # the most rows a step merges row at a time (rowwise() says where)
 
 
 def merge_unroll(heads: int) -> int:
@@ -22,6 +22,13 @@ def merge_unroll(heads: int) -> int:
     rank) is 0-20 % faster than one at a time at 1-4 requests; at 64 heads it is 5-35 %
     slower (benchmarks/results/dsa_decode_h200.json), so one there."""
     return 8 if heads <= 16 else 1
+
+
+def rowwise(rows: int, heads: int) -> bool:
+    """Whether the value-up merges row at a time (triton_attn._merge_rows_value_up). H200,
+    16k context, the plan's splits: 16 heads 25.8 -> 18.0 µs at 1 row, 31.1 -> 23.1 at 2,
+    33.7 -> 36.6 at 4 (slower); 64 heads 35.6 -> 26.1 at 1 row, 33.8 -> 36.4 at 2."""
+    return rows <= (ROWWISE_ROWS if heads <= 16 else 1)
 
 
 class SparseMlaDecode:
@@ -69,7 +76,7 @@ class SparseMlaDecode:
         dev, h, lat = self._device, self.heads, self.lat
         self._room(max(r * self.splits(r, 1 << 16) for r in range(1, self.max_rows + 1)))
         cache = torch.zeros(1, 16, lat, dtype=torch.bfloat16, device=dev)
-        for n in sorted({1, min(self.max_rows, ROWWISE_ROWS + 1)}):
+        for n in sorted({1, min(self.max_rows, ROWWISE_ROWS + 1)}):  # both merges
             q = torch.zeros(n, h, lat, dtype=torch.bfloat16, device=dev)
             idx = torch.zeros(n, 1, dtype=torch.int32, device=dev)
             self(q, cache, idx[:1], idx[:, 0], idx)
@@ -114,8 +121,8 @@ class SparseMlaDecode:
             n, self.heads, self.vd, splits, self.w_uv.stride(0), self.w_uv.stride(1),
             out.stride(0), out.stride(1),
             L=self.lat, BN=BN, BV=BV, UNROLL=merge_unroll(self.heads), SB=SB,
-            ROWWISE=n <= ROWWISE_ROWS, INTERPRETER=self._interp, PDL=self._pdl, num_warps=WARPS,
-            launch_pdl=self._pdl,
+            ROWWISE=rowwise(n, self.heads), INTERPRETER=self._interp, PDL=self._pdl,
+            num_warps=WARPS, launch_pdl=self._pdl,
         )  # fmt: skip
         return out
 

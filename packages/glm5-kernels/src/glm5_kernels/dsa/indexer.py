@@ -11,8 +11,7 @@ from glm5_kernels.gemm.linear import _capturing, _interpreting, _pdl
 
 __all__ = ["IndexerTopk"]
 
-# Pools a scoring step, tokens a -1 store step, pools a selection step, warps.
-BP, BC, BSEL, WARPS = 64, 64, 1024, 4
+BP, BC, WARPS = 64, 64, 4  # pools a scoring step, output pools a store step
 
 
 def _paged(pages: Tensor, hd: int) -> bool:
@@ -53,6 +52,7 @@ class IndexerTopk:
             else 132
         )
         self._scores = torch.empty(max_rows, self._pmax, device=dev)
+        self._pools = torch.empty(max_rows, self._pmax, dtype=torch.int32, device=dev)
         self._count = torch.zeros(max_rows, dtype=torch.int32, device=dev)  # self-resetting
         from glm5_kernels.dsa.triton_indexer import indexer_topk_kernel
 
@@ -96,13 +96,13 @@ class IndexerTopk:
         splits = -(-pools // per_split)
         self._kernel[(n, splits)](
             q, q_scale, weights, pages, pages.view(torch.float32), block_table, request,
-            positions, self._scores, self._count, out,
+            positions, self._scores, self._pools, self._count, out,
             pools, s, pages.stride(0), per_split, min(self.topk // self.kpool, pools),
             self.width,
             self.head_dim**-0.5 * self.heads**-0.5,
             q.stride(0), q.stride(1), weights.stride(0), block_table.stride(0), out.stride(0),
             IH=max(16, _pow2(self.heads)), H=self.heads, HD=self.head_dim, KP=self.kpool,
-            BP=BP, PMAX=self._pmax, BC=BC, BSEL=BSEL, TAIL=self.width > self.topk, PDL=self._pdl,
+            BP=BP, PMAX=self._pmax, BC=BC, TAIL=self.width > self.topk, PDL=self._pdl,
             num_warps=WARPS, launch_pdl=self._pdl,
         )  # fmt: skip
         return out
