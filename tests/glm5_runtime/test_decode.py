@@ -245,7 +245,9 @@ def test_draft_steps_equal_stock():
     hidden = torch.randn(2, Q, g.hidden_size, generator=gen).bfloat16()
     for t, start in ((Q, 5), (1, 5 + Q), (1, 6 + Q)):  # a draft prefill, then two decodes
         tokens = torch.randint(0, g.vocab_size, (2, t), generator=gen)
-        positions = start + torch.arange(t).expand(2, t)
+        # A decode's positions a column of a wider tensor (a row stride), as a draft after a
+        # verify slices them.
+        positions = (start + torch.arange(Q).expand(2, Q))[:, :t]
         ref, _ = stock.draft_hidden(tokens, hidden[:, :t], stock.place(requests, positions))
         placement = spec.place(requests, positions)
         decision = draft.plan(placement, capturing=True)

@@ -251,7 +251,9 @@ class RankStages:
         # A token that completes a pool compresses it (kpool_ref: members from this step's
         # rows and the request's ring; tokens that complete nothing write to the null block,
         # where vLLM skips the write).
-        tail, pos = self.c.tail[layer], step.positions
+        # A draft step's positions are a column of its verify's (a row stride): the stages
+        # read them as rows of T (a no-op copy everywhere else).
+        tail, pos = self.c.tail[layer], step.positions.contiguous()
         ape = self.w[f"{n}.index_kpool_compress_ape"]
         tail_on = bool(g.index_kpool_always_select_tail and kp > 1)
         width = g.index_topk + (kp - 1 if tail_on else 0)
