@@ -276,6 +276,97 @@ def test_kda_route_runs_the_fused_step_on_vllms_caches(built, monkeypatch):
         assert "forward" not in vars(attn)
 
 
+def test_dsa_attn_route_runs_the_sparse_stage_in_vllms_mla_layer(built, monkeypatch):
+    """The sparse MLA stage inside vLLM's MLA layer (seam 5): `Backbone.mla` from its
+    `MLAAttention`s (vLLM's NoPE sparse MLA: the reference's dims and softmax scale); routed,
+    vLLM's own MLA decode core (`forward_impl` with sparse metadata of decode rows, the
+    absorbed query from its W_UK_T) runs `SparseMlaDecode` (Triton interpreter) on the
+    layer's latent cache, the metadata's block table and each row's request and the
+    model-wide top-k buffer, writing the value-up output where vLLM's would — equal to the
+    attention over the checkpoint's kv_b_proj (`sparse_mla_decode_ref`); a prefill runs
+    vLLM's own forward_mqa; unrouted, the classes' methods are back."""
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseMetadata
+
+    from glm5_kernels.dsa import SparseMlaDecode, sparse_mla_decode_ref
+    from glm5_runtime.reference.backbone import ReferenceBackbone
+
+    model, _, reference, sd = built
+    b = _backbone(built)
+    assert b.mla is not None and b.mla == ReferenceBackbone(reference).mla
+    i, g = 3, reference.g
+    assert g.is_mla(i)
+    p = f"layers.{i}.self_attn"
+    attention = model.model.layers[i].self_attn.mla_attn.mla_attn
+    impl = attention.impl
+    h, nope, v, lat = attention.num_heads, b.mla.nope_dim, b.mla.v_dim, attention.kv_lora_rank
+    kv_b = b.weight(0, f"{p}.kv_b_proj.weight")  # what the runtime's dsa_attn builder reads
+    assert torch.equal(kv_b, sd[f"{p}.kv_b_proj.weight"].to(kv_b.dtype))
+    per_head = kv_b.view(h, nope + v, lat)
+    op = SparseMlaDecode(per_head[:, nope:].contiguous(), b.mla.scale, max_rows=8)
+    op.prepare()
+    gen = torch.Generator().manual_seed(11)
+    requests, q_len, bs, blocks, context = 3, 2, 16, 20, 40
+    n = requests * q_len
+    cache = torch.randn(blocks, bs, lat, generator=gen).bfloat16()
+    table = torch.randperm(blocks, generator=gen)[: requests * 4].view(requests, 4).int()
+    request = torch.arange(requests).repeat_interleave(q_len).int()
+    width = impl.topk_indices_buffer.shape[1]
+    buffer = impl.topk_indices_buffer
+    saved = buffer[:n].clone()
+    selected = torch.full((n, width), -1, dtype=torch.int32)
+    for r in range(n):  # a different selection a row, fewer tokens than the width
+        count = 5 + 3 * r
+        selected[r, :count] = torch.randperm(context, generator=gen)[:count].int()
+    buffer[:n] = selected
+    q = torch.randn(n, h, nope, generator=gen).bfloat16()
+    latent = torch.randn(n, lat, generator=gen).bfloat16()
+
+    def metadata(prefills: int):
+        return FlashMLASparseMetadata(
+            num_reqs=requests, max_query_len=q_len, max_seq_len=context, num_actual_tokens=n,
+            query_start_loc=torch.arange(0, n + 1, q_len, dtype=torch.int32),
+            slot_mapping=torch.zeros(n, dtype=torch.int64), num_decodes=requests - prefills,
+            num_decode_tokens=n - q_len * prefills, num_prefills=prefills, block_table=table,
+            req_id_per_token=request, block_size=bs,
+        )  # fmt: skip
+
+    def run(md):
+        out = torch.full((n, h * v), float("nan")).bfloat16()
+        attention.forward_impl(q, latent, latent[:, :0], cache, md, out)
+        return out
+
+    # The reference: the query absorbed with the checkpoint's key rows, the sparse attention
+    # over the same selection, the checkpoint's value rows.
+    w = sd[f"{p}.kv_b_proj.weight"].float().view(h, nope + v, lat)
+    q_lat = torch.einsum("nhd,hdl->nhl", q.float(), w[:, :nope]).bfloat16()
+    want = sparse_mla_decode_ref(q_lat, cache, table, request, selected, w[:, nope:].bfloat16(),
+                                 b.mla.scale)  # fmt: skip
+    try:
+        with torch.no_grad():
+            b.route(0, f"{p}.dsa_attn", op)
+            assert {"forward_mqa"} <= set(vars(impl)) and "_v_up_proj" in vars(attention)
+            got = run(metadata(0)).view(n, h, v)
+            assert got.isfinite().all()
+            assert _rel(got, want) < 2**-7
+            # A prefill in the step: vLLM's own decode core (recorded here: its sparse
+            # kernels are GPU-only).
+            b.route(0, f"{p}.dsa_attn", None)
+            called = []
+
+            def stock_mqa(self, q, kv_cache, md, layer):
+                called.append(md)
+                return torch.zeros(q[0].shape[0], h, lat, dtype=q[0].dtype), None
+
+            monkeypatch.setattr(type(impl), "forward_mqa", stock_mqa)
+            b.route(0, f"{p}.dsa_attn", op)
+            prefill = metadata(1)
+            assert (run(prefill) == 0).all() and called == [prefill]
+            b.route(0, f"{p}.dsa_attn", None)
+            assert "forward_mqa" not in vars(impl) and "_v_up_proj" not in vars(attention)
+    finally:
+        buffer[:n] = saved
+
+
 def test_model_binds_the_specialized_decode_and_runs_stock_when_unplanned(built, monkeypatch):
     from vllm.models.glm5next import Glm5NextForCausalLM as Stock
 
@@ -287,7 +378,8 @@ def test_model_binds_the_specialized_decode_and_runs_stock_when_unplanned(built,
     from glm5_vllm.metadata import step_context
 
     model = built[0]
-    policy = {"kda_proj": {"1-64": "gemm"}, "dsa_proj": {"1-64": "split_k"}}
+    policy = {"kda_proj": {"1-64": "gemm"}, "dsa_proj": {"1-64": "split_k"},
+              "dsa_attn": {"1-64": "sparse"}}  # fmt: skip
     config = DecodeConfig.build(max_context=64, q=2, capture_sizes=[2, 4], policy=policy)
     model.glm5_decode = config
     decode = models._bind(model, config)
@@ -302,7 +394,7 @@ def test_model_binds_the_specialized_decode_and_runs_stock_when_unplanned(built,
         f"layers.{i}.self_attn.{p}.weight"
         for i in range(g.num_hidden_layers)
         for p in (mla if g.is_mla(i) else ("in_proj_qkvbfg_a",))
-    }
+    } | {f"layers.{i}.self_attn.dsa_attn" for i in range(g.num_hidden_layers) if g.is_mla(i)}
     layer5 = model.model.layers[5].self_attn
     ops = {name: op for _, name, op in decode.routes[2]}
     assert ops["layers.5.self_attn.in_proj_qkvbfg_a.weight"].weight.data_ptr() == (
@@ -321,6 +413,10 @@ def test_model_binds_the_specialized_decode_and_runs_stock_when_unplanned(built,
                 routed_out = fused(x)[0]
             assert "forward" not in vars(fused)
         assert _rel(routed_out, stock) < 2**-8  # BF16 output rounding of another summation
+    core = layers[3].self_attn.mla_attn.mla_attn  # the sparse MLA stage's hooks, the same way
+    with decode.installed(2):
+        assert "_v_up_proj" in vars(core) and "forward_mqa" in vars(core.impl)
+    assert "_v_up_proj" not in vars(core) and "forward_mqa" not in vars(core.impl)
     calls = []
     monkeypatch.setattr(Stock, "forward", lambda self, *a, **k: calls.append(a) or "stock")
     model.glm5_specialized, model._glm5_prepared = decode, True

@@ -16,7 +16,9 @@ A route makes a module's forward run a stage op (an instance attribute that shad
 class's forward; removing it restores vLLM's): a whole linear (all-reduced when the module
 is row-parallel and reduces), one part of a fused linear (the other parts keep vLLM's
 weights), the MoE gate (cast to the gate's output dtype), or an MLP block. The KDA route
-(`layers.{i}.self_attn.kda`) shadows the KDA layer's forward (`kda.kda_forward`).
+(`layers.{i}.self_attn.kda`) shadows the KDA layer's forward (`kda.kda_forward`); the
+sparse MLA route (`layers.{i}.self_attn.dsa_attn`) the MLA attention's decode core
+(`mla.install_sparse_mla`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from glm5_runtime.protocol import Layer, Routing
 
 from .kda import KDA_CONV, KDA_WEIGHTS, kda_constants, kda_forward
 from .layouts import Layout, expert_layout, linear_layout
+from .mla import install_sparse_mla, mla_constants, uninstall_sparse_mla
 
 __all__ = ["VllmBackbone", "VllmDraftBackbone", "VllmStep"]
 
@@ -96,10 +99,13 @@ class VllmBackbone:
         self._hc = config.hc_mult
         self.kda = kda_constants([self.decoder.layers[x.index].self_attn for x in self.layers
                          if x.attention == "kda"])  # fmt: skip
-        # The sparse MLA and indexer selection stages' routes into vLLM's MLA layer (its
-        # latent and pool caches, block table and selection as neutral tensors) are not
-        # wired yet: MLA stays vLLM's.
-        self.mla = self.indexer = None
+        # The sparse MLA stage runs inside vLLM's MLA layers (mla.py) after vLLM's own
+        # indexer; the indexer's pool-write and selection stages are not wired into vLLM's
+        # indexer yet: it stays vLLM's.
+        self.mla = mla_constants([self._mla_attention(x.index)
+                                  for x in (*self.layers, *self.draft_layers)
+                                  if x.attention == "mla"])  # fmt: skip
+        self.indexer = None
         self.mhc = _mhc(config, [self.decoder.layers[x.index] for x in self.layers],
                         getattr(self.decoder, "norm", None))  # fmt: skip
         self._routes: dict[nn.Module, dict[int | None, Any]] = {}
@@ -114,6 +120,10 @@ class VllmBackbone:
             for i, layer in enumerate(self.decoder.layers)
         )
         return tuple(getattr(self.decoder, "aux_hidden_state_layers", ()) or ()), layers, ()
+
+    def _mla_attention(self, layer: int) -> nn.Module | None:
+        """Layer `layer`'s `MLAAttention` (the wrapper's core: latent cache, impl)."""
+        return self._module(f"layers.{layer}.self_attn.mla_attn.mla_attn")
 
     # Weights.
     def _module(self, path: str) -> nn.Module | None:
@@ -283,6 +293,16 @@ class VllmBackbone:
 
     # Routes.
     def route(self, shard: int, name: str, op: Any) -> None:
+        if name.endswith(".self_attn.dsa_attn"):  # the MLA layer's attention core (mla.py)
+            index = int(name.split(".")[1])
+            attention = self._mla_attention(index)
+            if attention is None:
+                raise KeyError(f"glm5-vllm: no vLLM MLA attention in layer {index}")
+            if op is None:
+                uninstall_sparse_mla(attention)
+            else:
+                install_sparse_mla(attention, op)
+            return
         if name.endswith(".self_attn.kda"):  # the KDA layer's forward around the fused step
             module = self._module(name.removesuffix(".kda"))
             if module is None:
