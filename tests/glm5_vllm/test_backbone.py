@@ -310,13 +310,17 @@ def test_dsa_attn_route_runs_the_sparse_stage_in_vllms_mla_layer(built, monkeypa
     cache = torch.randn(blocks, bs, lat, generator=gen).bfloat16()
     table = torch.randperm(blocks, generator=gen)[: requests * 4].view(requests, 4).int()
     request = torch.arange(requests).repeat_interleave(q_len).int()
-    width = impl.topk_indices_buffer.shape[1]
     buffer = impl.topk_indices_buffer
     saved = buffer[:n].clone()
-    selected = torch.full((n, width), -1, dtype=torch.int32)
-    for r in range(n):  # a different selection a row, fewer tokens than the width
-        count = 5 + 3 * r
+    # vLLM's indexer writes top-k + kpool - 1 columns of a row (the rest stays -1): the
+    # route reads only those; positions past them here must be ignored.
+    width = g.index_topk + g.index_kpool - 1
+    assert buffer.shape[1] > width
+    selected = torch.full((n, buffer.shape[1]), -1, dtype=torch.int32)
+    for r in range(n):  # a different selection a row, up to the width
+        count = 4 + r
         selected[r, :count] = torch.randperm(context, generator=gen)[:count].int()
+    selected[:, width:] = torch.randint(0, context, (n, buffer.shape[1] - width), generator=gen)
     buffer[:n] = selected
     q = torch.randn(n, h, nope, generator=gen).bfloat16()
     latent = torch.randn(n, lat, generator=gen).bfloat16()
@@ -339,8 +343,8 @@ def test_dsa_attn_route_runs_the_sparse_stage_in_vllms_mla_layer(built, monkeypa
     # over the same selection, the checkpoint's value rows.
     w = sd[f"{p}.kv_b_proj.weight"].float().view(h, nope + v, lat)
     q_lat = torch.einsum("nhd,hdl->nhl", q.float(), w[:, :nope]).bfloat16()
-    want = sparse_mla_decode_ref(q_lat, cache, table, request, selected, w[:, nope:].bfloat16(),
-                                 b.mla.scale)  # fmt: skip
+    want = sparse_mla_decode_ref(q_lat, cache, table, request, selected[:, :width],
+                                 w[:, nope:].bfloat16(), b.mla.scale)  # fmt: skip
     try:
         with torch.no_grad():
             b.route(0, f"{p}.dsa_attn", op)

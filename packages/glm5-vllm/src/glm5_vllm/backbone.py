@@ -301,7 +301,7 @@ class VllmBackbone:
             if op is None:
                 uninstall_sparse_mla(attention)
             else:
-                install_sparse_mla(attention, op)
+                install_sparse_mla(attention, op, _selected(self.config))
             return
         if name.endswith(".self_attn.kda"):  # the KDA layer's forward around the fused step
             module = self._module(name.removesuffix(".kda"))
@@ -472,6 +472,16 @@ def _mhc(config, layers: list[nn.Module], norm: nn.Module | None) -> MhcConfig |
         hc_eps=float(first.hc_eps), sinkhorn_iters=int(first.mhc_sinkhorn_iterations),
         norm_eps=float(eps.pop()), post_mult=float(first.mhc_post_mult_value),
     )  # fmt: skip
+
+
+def _selected(config) -> int | None:
+    """The columns of vLLM's top-k buffer its kpool indexer writes: the top-k tokens, then
+    the incomplete pool's kpool - 1 (vLLM's expand_pools_and_append_tail); None where the
+    config does not say (the op then reads the whole row)."""
+    topk, kpool = getattr(config, "index_topk", None), getattr(config, "index_kpool", None)
+    if not isinstance(topk, int) or not isinstance(kpool, int):
+        return None
+    return topk + max(kpool - 1, 0)
 
 
 def _is_linear(module: nn.Module) -> bool:

@@ -62,10 +62,11 @@ class _Deferred:
     metadata: Any
 
 
-def install_sparse_mla(layer: nn.Module, op: Any) -> None:
+def install_sparse_mla(layer: nn.Module, op: Any, width: int | None = None) -> None:
     """Route `layer` (an `MLAAttention`)'s decode attention and value-up through `op`
     (`glm5_kernels.dsa.SparseMlaDecode`'s call: q_lat, cache, block_table, request, indices,
-    out)."""
+    out). `width`: the top-k buffer's columns the indexer writes (top-k + the tail's kpool
+    - 1; vLLM pads its rows to 2176 with -1, which the op need not walk); None: all."""
     impl = layer.impl
     stock_mqa = type(impl).forward_mqa.__get__(impl)
     stock_up = type(layer)._v_up_proj.__get__(layer)
@@ -80,7 +81,7 @@ def install_sparse_mla(layer: nn.Module, op: Any) -> None:
         if not isinstance(x, _Deferred):
             return stock_up(x, out)
         n, md = x.q_lat.shape[0], x.metadata
-        indices = impl.topk_indices_buffer[:n]
+        indices = impl.topk_indices_buffer[:n, :width]
         op(x.q_lat, x.cache, md.block_table, md.req_id_per_token[:n], indices,
            out=out.view(n, heads, v_dim))  # fmt: skip
         return None
