@@ -79,19 +79,21 @@ def test_mtp_model_binds_the_specialized_draft_and_runs_stock_when_unplanned(bui
     from glm5_policy import DecodeConfig
     from glm5_runtime.draft import SpecializedDraft
     from glm5_runtime.plan import Rows
+    from glm5_runtime.reference.backbone import ReferenceBackbone
     from glm5_vllm.backbone import VllmStep
     from glm5_vllm.metadata import step_context
 
     model, _, reference, _ = built
     mtp = reference.g.num_hidden_layers
-    config = DecodeConfig.build(
-        max_context=64, q=2, capture_sizes=[1, 2, 4], policy={"dsa_proj": {"1-64": "split_k"}}
-    )
+    policy = {"dsa_proj": {"1-64": "split_k"}, "dsa_attn": {"1-64": "sparse"}}
+    config = DecodeConfig.build(max_context=64, q=2, capture_sizes=[1, 2, 4], policy=policy)
     draft = models._bind(model, config, draft=True)
     assert isinstance(draft, SpecializedDraft)
+    assert draft.backbone.mla == ReferenceBackbone(reference).mla  # the MTP layer's MLA
     routed = {name for _, name, _ in draft.routes[2]}
-    # q_a | kv_a: one op over vLLM's fused weight; the other projections one each.
-    assert routed == {f"layers.{mtp}.eh_proj.weight"} | {
+    # q_a | kv_a: one op over vLLM's fused weight; the other projections one each; the MTP
+    # layer's sparse MLA core.
+    assert routed == {f"layers.{mtp}.eh_proj.weight", f"layers.{mtp}.self_attn.dsa_attn"} | {
         f"layers.{mtp}.self_attn.{n}.weight"
         for n in ("fused_qkv_a_proj", "q_b_proj", "o_proj", "indexer.wq_b")
     }
@@ -106,6 +108,10 @@ def test_mtp_model_binds_the_specialized_draft_and_runs_stock_when_unplanned(bui
             routed_out = eh_proj(x.bfloat16())
         assert "forward" not in vars(eh_proj)
     assert _rel(routed_out, stock) < 2**-8
+    core = model.model.layers[str(mtp)].mtp_block.self_attn.mla_attn.mla_attn
+    with draft.installed(2):
+        assert "_v_up_proj" in vars(core) and "forward_mqa" in vars(core.impl)
+    assert "_v_up_proj" not in vars(core) and "forward_mqa" not in vars(core.impl)
     # The hook: eager steps run vLLM's drafter; FULL-graph draft decodes plan, PIECEWISE not.
     calls = []
     monkeypatch.setattr(Stock, "forward", lambda self, *a, **k: calls.append(a) or "stock")
