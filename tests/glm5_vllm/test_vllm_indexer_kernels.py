@@ -1,9 +1,11 @@
-"""glm5-kernels' indexer pool write (`KpoolWrite`) against vLLM 0.33's own kernels for the same
-step: the query rotation + FP8 cast (`fwht128_quant_fp8`) and the decode / verify pool write
-(`kpool_decode_update_and_maybe_write_cache_batched`: the tail ring stash, each completed
-pool's gated softmax, Hadamard rotation and FP8 cast into the paged pool cache). Both run
-under the Triton interpreter on CPU. vLLM's CPU platform turns its Triton off (placeholder
-kernels), so its kernel module is loaded here once more against the real Triton.
+"""glm5-kernels' indexer pool write (`KpoolWrite`) and selection layout against vLLM 0.33's
+own kernels for the same step: the query rotation + FP8 cast (`fwht128_quant_fp8`), the
+decode / verify pool write (`kpool_decode_update_and_maybe_write_cache_batched`: the tail
+ring stash, each completed pool's gated softmax, Hadamard rotation and FP8 cast into the
+paged pool cache) and the selected pools' token list (`expand_pools_and_append_tail`). Both
+run under the Triton interpreter on CPU. vLLM's CPU platform turns its Triton off
+(placeholder kernels), so its kernel module is loaded here once more against the real
+Triton.
 
 The interpreter's own FP32 -> e4m3 cast rounds ties up and drops the carry of a mantissa
 that rounds over into the next binade (31.9 -> 16), and its FP32 -> BF16 cast is not the
@@ -145,3 +147,24 @@ def test_pool_write_matches_vllms(vllm_kpool, t):
     for k8, sc in ((keys, scales), (keys_v, scales_v)):  # nothing else written
         assert (k8[~written].view(torch.uint8) == 0).all() and (sc[~written] == 0).all()
     _step_within_one_code(keys[written], scales[written], keys_v[written], scales_v[written])
+
+
+def test_selection_layout_matches_vllms(vllm_kpool):
+    """The selection's token list as vLLM lays it out (`expand_pools_and_append_tail`: each
+    selected pool's kpool tokens, -1 for a pool id of -1, then the always-selected tail from
+    the incomplete pool's first token to the position): equal to `select_tokens_ref`'s (the
+    list `IndexerTopk` writes) for the same pools in pool order, at every tail length and
+    for a context with fewer visible pools than top-k."""
+    from glm5_kernels.dsa import select_tokens_ref
+
+    gen = torch.Generator().manual_seed(4)
+    topk, pools = 8 * KP, 40
+    # Tails of 1..15 tokens and none; a context of 3 visible pools.
+    positions = torch.tensor([KP * 20 + t for t in range(KP)] + [3 * KP + 5])
+    scores = torch.randn(len(positions), pools, generator=gen)
+    want = select_tokens_ref(scores, positions, topk, KP, True, topk + KP - 1)
+    # The pools the reference chose, in pool order (-1: a pick beyond the visible pools).
+    pool_ids = torch.where(want[:, :topk:KP] >= 0, want[:, :topk:KP] // KP, -1).int()
+    got = vllm_kpool.expand_pools_and_append_tail(pool_ids, (positions + 1).int(), KP)
+    assert torch.equal(got.long(), want)
+    assert (want[-1, : 3 * KP] >= 0).all() and (want[-1, 3 * KP : topk] == -1).all()
