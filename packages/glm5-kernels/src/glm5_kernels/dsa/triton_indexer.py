@@ -6,7 +6,8 @@ pages, q . k for every indexer head on the tensor cores (e4m3 in, FP32 out), rel
 the key scale, summed over the heads with the row's head weights — and stores the scores
 (-inf for pools that end after the row's position). The last CTA of the row to arrive (an
 acq_rel counter it resets, so a CUDA graph replays it) selects: scores become order-keeping
-integer keys, a 32-step bitwise search finds the count-th largest visible key, and the pools
+integer keys, a 32-step bitwise search finds the count-th largest visible key (skipped where
+no more pools are visible than are taken: a short context takes them all), and the pools
 above it plus the first pools equal to it (ascending pool order: the reference's stable tie
 break) are written out in pool order, kpool token positions each, then the tail and -1s.
 """
@@ -70,12 +71,14 @@ def indexer_topk_kernel(
         # .cg: L1 is not coherent across SMs; the other splits' scores live in L2.
         key = _keys(tl.load(score_ptr + n * PMAX + p, mask=p < P, other=0.0,
                             cache_modifier=".cg"))  # fmt: skip
-        k_eff = tl.minimum(tl.sum(visible.to(tl.int32), axis=0), count)
-        thr = tl.zeros([], tl.int64)
-        for b in tl.static_range(32):  # the largest t with k_eff visible keys >= t
-            cand = thr + (1 << (31 - b))
-            above = tl.sum((visible & (key >= cand)).to(tl.int32), axis=0)
-            thr = tl.where(above >= k_eff, cand, thr)
+        seen = tl.sum(visible.to(tl.int32), axis=0)
+        k_eff = tl.minimum(seen, count)
+        thr = tl.zeros([], tl.int64)  # every key is >= 0: all visible pools, unless
+        if seen > count:  # more are visible than are taken (a short context skips this)
+            for b in tl.static_range(32):  # the largest t with k_eff visible keys >= t
+                cand = thr + (1 << (31 - b))
+                above = tl.sum((visible & (key >= cand)).to(tl.int32), axis=0)
+                thr = tl.where(above >= k_eff, cand, thr)
         gt = visible & (key > thr)
         need = k_eff - tl.sum(gt.to(tl.int32), axis=0)
         eq = visible & (key == thr)
