@@ -1,11 +1,15 @@
 """The specialized decode on the GPU at GLM-5.3-Flash TP-4 rank shapes, every stage on, each
 step captured in one FULL CUDA graph per token count (as vLLM captures them) and replayed
-64 times against the stock reference's graph of the same step:
+against the stock reference's graph of the same step:
 
 - every q in 1..8 and every capture size 1..64 that is a multiple of q, with the MTP draft
   (draft prefill of q tokens per request, then a draft decode) on each step, over four layers
-  (KDA x3 and MLA+DSA, dense and MoE MLPs) and the MTP layer;
-- the full 45-layer depth at the smallest and largest sizes of q = 1 and q = 4.
+  (KDA x3 and MLA+DSA, dense and MoE MLPs) and the MTP layer: SWEEP_STEPS replays a size
+  (from a 9-token prompt: a pool completes and the indexer's ring — 16 slots at q = 1, 32
+  above — wraps at every q; the KDA state over 64 steps is test_kda_gpu.py's). 64 replays a
+  size made q = 1 alone take over 5 minutes of a 10-minute GPU call;
+- the full 45-layer depth at the smallest and largest sizes of q = 1 and q = 4, DEPTH_STEPS
+  replays each.
 
 The two models share their weights (the specialized one reads them, never writes). The MoE
 routes every token to all of 16 experts (the real 288 choose 8, which flips under any
@@ -34,7 +38,7 @@ from glm5_runtime.reference.backbone import ReferenceBackbone
 
 pytestmark = pytest.mark.gpu
 
-STEPS = 64
+SWEEP_STEPS, DEPTH_STEPS = 16, 32  # replays a capture size (module docstring)
 PROMPT = 9
 BOUND = 0.1
 
@@ -82,9 +86,9 @@ class Captured:
 class Sides:
     """The stock and specialized models (shared weights), their decode and draft."""
 
-    def __init__(self, g, q, sizes, max_requests, with_draft):
-        self.g, self.q = g, q
-        self.max_context = 64 * math.ceil((PROMPT + (STEPS + 2) * q) / 64)
+    def __init__(self, g, q, sizes, max_requests, with_draft, steps):
+        self.g, self.q, self.steps = g, q, steps
+        self.max_context = 64 * math.ceil((PROMPT + (steps + 2) * q) / 64)
         kw = dict(
             device="cuda", max_requests=max_requests, max_context=self.max_context,
             block_size=64, q=q, fp8_activations=True,
@@ -154,7 +158,7 @@ class Sides:
         assert value < bound, (name, value, bound)
 
     def run(self, requests):
-        """STEPS planned steps of `requests` x q tokens (verifies when q > 1), each followed
+        """`steps` planned steps of `requests` x q tokens (verifies when q > 1), each followed
         by the draft; then the caches."""
         q, D = self.q, self.g.hidden_size
         models = (self.stock, self.spec)
@@ -177,7 +181,7 @@ class Sides:
                 drafts.append(
                     [Captured(self._draft(m), ids, hid, m.place(rows, pos)) for m in models]
                 )
-        for i in range(STEPS):
+        for i in range(self.steps):
             ids = self.ids(requests, q)
             start = torch.tensor([self.stock.lengths[r] for r in rows], device="cuda")
             h = [
@@ -225,7 +229,7 @@ class Sides:
 @pytest.mark.parametrize("q", range(1, 9))
 def test_every_capture_size_with_draft_equals_stock(q):
     sizes = list(range(1, 65))  # vLLM's capture sizes may be any; q-multiples are planned
-    sides = Sides(_geometry(), q, sizes, 64 // q, with_draft=True)
+    sides = Sides(_geometry(), q, sizes, 64 // q, with_draft=True, steps=SWEEP_STEPS)
     for requests in range(1, 64 // q + 1):
         sides.run(requests)
         # This size's graphs are gone: drop the stage outputs they recorded.
@@ -236,6 +240,7 @@ def test_every_capture_size_with_draft_equals_stock(q):
 
 @pytest.mark.parametrize("q, tokens", [(1, 1), (1, 64), (4, 4), (4, 64)])
 def test_full_depth_equals_stock(q, tokens):
-    sides = Sides(_geometry(full_depth=True), q, [tokens], tokens // q, with_draft=False)
+    sides = Sides(_geometry(full_depth=True), q, [tokens], tokens // q, with_draft=False,
+                  steps=DEPTH_STEPS)  # fmt: skip
     sides.run(tokens // q)
     print(f"45 layers, q={q} tokens={tokens}: worst relative errors {sides.worst}")
