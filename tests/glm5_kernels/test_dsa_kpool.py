@@ -36,9 +36,16 @@ def _case(gen, heads, hd, requests, t, first):
     [(8, 16, 1, [3, 7, 10, 40]), (20, 32, 3, [1, 6, 13, 45]), (8, 16, 3, [0, 2, 4, 9])],
     ids=["decode", "verify", "verify-early"],
 )
-def test_matches_the_reference(heads, hd, t, first):
+@pytest.mark.parametrize("padding", [False, True], ids=["live", "a-padding-request"])
+def test_matches_the_reference(heads, hd, t, first, padding):
+    """`padding`: the second request's ring row is -1 (vLLM's padding requests): it writes
+    neither its ring nor its pools (the other rings avoid the null row 0 it reads)."""
     gen = torch.Generator().manual_seed(heads + hd + t)
     k, gate, q, tail, pages, ape, table, positions, rows = _case(gen, heads, hd, 4, t, first)
+    if padding:
+        rows = (1 + torch.randperm(5, generator=gen)[:4]).int()
+        rows[1] = -1
+    untouched = tail[0].clone(), pages[table[1].long()].clone()
     done = ((positions + 1) % KP == 0).sum().item()
     assert done and done < positions.numel()  # rows that complete pools and rows that don't
     op = KpoolWrite(heads, hd, ape, kpool=KP, block_size=BS, max_rows=16)
@@ -50,6 +57,9 @@ def test_matches_the_reference(heads, hd, t, first):
     q8_ref, qs_ref = kpool_write_ref(k, gate, q, tail_ref, pages_ref, ape, table, positions,
                                      rows, BS)  # fmt: skip
     assert torch.equal(tail, tail_ref)  # raw copies
+    if padding:  # the null ring row and the padding request's blocks as they were
+        assert torch.equal(tail[0], untouched[0])
+        assert torch.equal(pages[table[1].long()], untouched[1])
     # The rotation is an FP32 matmul whose sum order differs from torch's: where its BF16
     # rounding lands on the neighbour, so may an FP8 code (half an e4m3 step: 2^-4 of the
     # vector); everything else is equal.

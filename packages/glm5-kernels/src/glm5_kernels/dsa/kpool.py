@@ -59,7 +59,8 @@ class KpoolWrite:
                  tail_rows: Tensor) -> tuple[Tensor, Tensor]:  # fmt: skip
         """k, gate [R, T, hd] BF16 (rows contiguous), q [R, T, H, hd] BF16, tail [rows, 2,
         ring, hd] BF16 and pages [blocks, S, hd + 4] uint8 (written), block_table [R, B],
-        positions [R, T], tail_rows [R] -> (FP8 queries [R, T, H, hd], scales [R, T, H])."""
+        positions [R, T], tail_rows [R] (-1: a padding request, which writes nothing) ->
+        (FP8 queries [R, T, H, hd], scales [R, T, H])."""
         self._check(k, gate, q, tail, pages, block_table, positions, tail_rows)
         r, t, hd = k.shape
         h = self.heads

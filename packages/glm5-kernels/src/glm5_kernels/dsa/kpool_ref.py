@@ -19,9 +19,10 @@ from glm5_kernels.dsa.reference import kpool_compress_ref, rotate_quant_fp8_ref
 
 def pool_sources_ref(k: Tensor, gate: Tensor, tail: Tensor, positions: Tensor,
                      tail_rows: Tensor, kpool: int) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """k, gate [R, T, hd], tail [rows, 2, ring, hd], positions [R, T], tail_rows [R] -> the
-    members of each token's pool (keys, gate scores) [R, T, kpool, hd], read before this
-    step's rows are written to the ring (the newest min(T, ring) of them)."""
+    """k, gate [R, T, hd], tail [rows, 2, ring, hd], positions [R, T], tail_rows [R] (-1:
+    a padding request, whose ring is left as it is) -> the members of each token's pool
+    (keys, gate scores) [R, T, kpool, hd], read before this step's rows are written to the
+    ring (the newest min(T, ring) of them)."""
     r, t = positions.shape
     ring = tail.shape[2]
     entries = torch.stack([k, gate], dim=2)  # [R, T, 2, hd]
@@ -29,10 +30,13 @@ def pool_sources_ref(k: Tensor, gate: Tensor, tail: Tensor, positions: Tensor,
     start = positions[:, :1, None]
     rows = torch.arange(r, device=k.device)[:, None, None]
     mine = entries[rows, (members - start).clamp(0, t - 1)]  # [R, T, kpool, 2, hd]
-    kept = tail[tail_rows[:, None, None], :, members % ring]  # [R, T, kpool, 2, hd]
+    own = tail_rows.long().clamp(min=0)  # a padding request reads row 0, writes it back
+    kept = tail[own[:, None, None], :, members % ring]  # [R, T, kpool, 2, hd]
     source = torch.where((members >= start)[..., None, None], mine, kept.to(mine.dtype))
     last = min(t, ring)  # only the newest `ring` tokens of a long prefill stay
-    tail[tail_rows[:, None], :, positions[:, -last:] % ring] = entries[:, -last:].to(tail.dtype)
+    at = (own[:, None], slice(None), positions[:, -last:] % ring)
+    live = (tail_rows >= 0)[:, None, None, None]
+    tail[at] = torch.where(live, entries[:, -last:].to(tail.dtype), tail[at])
     keys, scores = source.unbind(-2)
     return keys, scores
 
@@ -42,15 +46,15 @@ def kpool_write_ref(k: Tensor, gate: Tensor, q: Tensor, tail: Tensor, pages: Ten
                     block_size: int) -> tuple[Tensor, Tensor]:  # fmt: skip
     """k, gate [R, T, hd] BF16, q [R, T, H, hd] BF16, tail [rows, 2, ring, hd] and pages
     [blocks, S, hd + 4] uint8 (both written in place), ape [kpool, hd], block_table [R, B],
-    positions [R, T], tail_rows [R] -> the rotated FP8 queries [R, T, H, hd] and their
-    scales [R, T, H]. kpool = block_size / S."""
+    positions [R, T], tail_rows [R] (-1: a padding request: no ring or pool write) -> the
+    rotated FP8 queries [R, T, H, hd] and their scales [R, T, H]. kpool = block_size / S."""
     blocks, s, width = pages.shape
     kpool = block_size // s
     keys, scores = pool_sources_ref(k, gate, tail, positions, tail_rows, kpool)
     fp8, scale = rotate_quant_fp8_ref(kpool_compress_ref(keys, scores, ape))  # every row's
-    # Rows that complete no pool write to the null block 0, where vLLM skips the write (no
-    # data-dependent shapes: the reference runs inside CUDA graphs).
-    done = (positions + 1) % kpool == 0
+    # Rows that complete no pool (and padding requests') write to the null block 0, where
+    # vLLM skips the write (no data-dependent shapes: the reference runs inside CUDA graphs).
+    done = ((positions + 1) % kpool == 0) & (tail_rows >= 0)[:, None]
     first = (positions + 1 - kpool).clamp(min=0)  # a completed pool's first token
     column = (first // block_size).clamp(max=block_table.shape[1] - 1)
     block = torch.where(done, block_table.long().gather(1, column.long()), 0)

@@ -8,7 +8,8 @@ the request's ring for earlier ones — forms the gated softmax pool over them (
 channel, plus the learned per-slot bias), rotates and casts it the same way into the pool's
 slot of vLLM's pages.
 Last, its own key and gate score go to the ring (no row of the step reads that slot: the
-ring holds kpool + drafts tokens).
+ring holds kpool + drafts tokens). A request whose ring row is -1 (vLLM's padding and dummy
+requests) writes neither.
 """
 
 import triton
@@ -71,7 +72,8 @@ def kpool_write_kernel(
     q8, qs = _rotate_quant(q, sign, had_scale, INTERPRETER)
     tl.store(q8_ptr + (n * H + h[:, None]) * HD + d[None, :], q8, mask=hm[:, None])
     tl.store(qs_ptr + n * H + h, qs, mask=hm)
-    if (pos + 1) % KP == 0:
+    live = trow >= 0  # a padding request (ring row -1) writes nothing
+    if live & ((pos + 1) % KP == 0):
         j = tl.arange(0, KP)
         m = pos - KP + 1 + j  # the pool's tokens
         mine = (m >= start)[:, None]
@@ -98,6 +100,7 @@ def kpool_write_kernel(
                  y8.to(tl.uint8, bitcast=True), mask=top)  # fmt: skip
         tl.store(pscale_ptr + (page + S * HD) // 4 + slot + tl.arange(0, 16), ys,
                  mask=tl.arange(0, 16) == 0)  # fmt: skip
-    at = trow * stride_tr + (pos % ring) * HD + d
-    tl.store(tail_ptr + at, tl.load(k_ptr + n * stride_k + d))
-    tl.store(tail_ptr + stride_tc + at, tl.load(g_ptr + n * stride_g + d))
+    if live:
+        at = trow * stride_tr + (pos % ring) * HD + d
+        tl.store(tail_ptr + at, tl.load(k_ptr + n * stride_k + d))
+        tl.store(tail_ptr + stride_tc + at, tl.load(g_ptr + n * stride_g + d))
