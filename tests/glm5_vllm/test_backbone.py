@@ -371,6 +371,153 @@ def test_dsa_attn_route_runs_the_sparse_stage_in_vllms_mla_layer(built, monkeypa
         buffer[:n] = saved
 
 
+def test_indexer_routes_run_the_pool_write_and_selection_in_vllms_indexer(built, monkeypatch):
+    """The indexer's pool-write and selection stages inside vLLM's indexer (seam 5):
+    `Backbone.indexer` from its indexers once their pool pages and rings are bound; routed
+    (both ops), a uniform verify of two live requests and a padding one under real
+    `DeepseekV32IndexerMetadata` (the pages' block table; the tail cache's slots) runs
+    vLLM's projections, `KpoolWrite` and `IndexerTopk` (Triton interpreter) on the bound
+    caches: the ring and pages as `kpool_write_ref` writes them from the checkpoint's
+    projections, the padding request writing nothing, and the top-k buffer's rows
+    `index_topk_ref`'s selection (-1 past its columns); a prefill runs vLLM's forward; one
+    op alone installs nothing."""
+    import torch.nn.functional as F
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import create_forward_context, override_forward_context
+    from vllm.v1.attention.backends.mla.indexer import (
+        DeepSeekV32IndexerDecodeMetadata,
+        DeepseekV32IndexerMetadata,
+    )
+
+    from glm5_kernels.dsa import (
+        IndexerTopk,
+        KpoolWrite,
+        index_topk_ref,
+        kpool_write_ref,
+        pack_kpool_pages_ref,
+        rotate_quant_fp8_ref,
+        unpack_kpool_pages_ref,
+    )
+    from glm5_runtime.protocol import Indexer
+
+    model, vllm_config, reference, sd = built
+    g = reference.g
+    h, hd, kp, topk = g.index_n_heads, g.index_head_dim, g.index_kpool, g.index_topk
+    bs, blocks, ring, r, t = 16, 12, 8, 3, 3
+    gen = torch.Generator().manual_seed(8)
+    mla = [i for i in range(g.num_hidden_layers) if g.is_mla(i)]
+    indexers = [model.model.layers[i].self_attn.indexer for i in mla]
+    pages = torch.zeros(blocks, bs // kp, hd + 4, dtype=torch.uint8)
+    tail = torch.randn(6, 2, ring, hd, generator=gen).bfloat16()
+    for m in indexers:  # bound caches, as vLLM binds them before capture
+        monkeypatch.setattr(m.k_cache, "kv_cache", pages, raising=False)
+        monkeypatch.setattr(m.tail_cache, "kv_cache", tail, raising=False)
+    b = _backbone(built)
+    max_pools = indexers[0].max_pool_len
+    assert b.indexer == Indexer(h, hd, kp, topk, True, max_pools, bs)
+    i = mla[0]
+    p = f"layers.{i}.self_attn.indexer"
+    indexer = indexers[0]
+    ape = b.weight(0, f"{p}.index_kpool_compress_ape")
+    assert torch.equal(ape, sd[f"{p}.index_kpool_compress_ape"].to(ape.dtype))
+    kpool = KpoolWrite(h, hd, ape, kpool=kp, block_size=bs, max_rows=9)
+    select = IndexerTopk(h, hd, kpool=kp, topk=topk, tail=True, max_rows=9,
+                         max_pools=max_pools, device="cpu")  # fmt: skip
+    # Three requests of 3 tokens (a verify): two live ones whose steps complete a pool and
+    # whose contexts hold more pools than top-k, and a padding one (no ring: slot -1).
+    last = torch.tensor([39, 27, 4])
+    positions = (last[:, None] - t + 1 + torch.arange(t)).reshape(-1)
+    table = torch.tensor([[3, 7, 1], [5, 2, 9], [0, 0, 0]]).int()
+    tail_rows = torch.tensor([2, 4, -1])
+    n = r * t
+    tail_slots = torch.where(tail_rows[:, None] >= 0, tail_rows[:, None] * ring
+                             + positions.view(r, t) % ring, -1).reshape(-1)  # fmt: skip
+    keys = torch.randn(blocks, bs // kp, hd, generator=gen)
+    k8, ks = rotate_quant_fp8_ref(keys)  # earlier pools: valid FP8 keys and scales
+    pages.copy_(pack_kpool_pages_ref(k8, ks))
+    pages_before, tail_before = pages.clone(), tail.clone()
+
+    def metadata(prefills):
+        decode = DeepSeekV32IndexerDecodeMetadata(
+            block_table=table, seq_lens=(last + 1).int(), decode_lens=torch.full((r,), t),
+            requires_padding=False, schedule_metadata=torch.empty(0),
+        )  # fmt: skip
+        common = dict(seq_lens=(last + 1).int(), max_seq_len=int(last.max()) + 1,
+                      num_prefill_tokens=t * prefills)  # fmt: skip
+        md = DeepseekV32IndexerMetadata(
+            slot_mapping=torch.zeros(n, dtype=torch.int64), num_decodes=r - prefills,
+            num_decode_tokens=n - t * prefills, num_prefills=prefills, decode=decode, **common,
+        )  # fmt: skip
+        tail_md = DeepseekV32IndexerMetadata(
+            slot_mapping=tail_slots, num_decodes=r - prefills, num_decode_tokens=n - t * prefills,
+            num_prefills=prefills, **common,
+        )  # fmt: skip
+        return {indexer.k_cache.prefix: md, indexer.tail_cache.prefix: tail_md}
+
+    x = torch.randn(n + 1, g.hidden_size, generator=gen).bfloat16()  # a padded row too
+    qr = torch.randn(n + 1, g.q_lora_rank, generator=gen).bfloat16()
+    buffer = indexer.topk_indices_buffer
+    saved = buffer[: n + 1].clone()
+    width = select.width
+    try:
+        with set_current_vllm_config(vllm_config), torch.no_grad():
+            b.route(0, f"{p}.kpool", kpool)
+            assert "forward" not in vars(indexer)  # one op alone: vLLM's forward
+            b.route(0, f"{p}.topk", select)
+            assert "forward" in vars(indexer)
+            buffer[: n + 1] = 12345
+            with override_forward_context(create_forward_context(metadata(0), vllm_config)):
+                indexer(x, qr, torch.cat([positions, positions[:1]]), None)
+            # The reference from the checkpoint's weights.
+            w = {k: sd[f"{p}.{k}"].float() for k in ("wq_b.weight", "wk.weight",
+                 "k_norm.weight", "k_norm.bias", "weights_proj.weight",
+                 "index_kpool_compress_gate")}  # fmt: skip
+            xf, view = x[:n].float(), (lambda y: y.view(r, t, *y.shape[1:]))
+            q = view((qr[:n].float() @ w["wq_b.weight"].t()).bfloat16().view(n, h, hd))
+            k = F.layer_norm((xf @ w["wk.weight"].t()).bfloat16().float(), (hd,),
+                             w["k_norm.weight"], w["k_norm.bias"], 1e-6)  # fmt: skip
+            gate = (xf @ w["index_kpool_compress_gate"].t()).bfloat16()
+            weights = xf @ w["weights_proj.weight"].t()
+            tail_ref, pages_ref = tail_before.clone(), pages_before.clone()
+            q8, q_scale = kpool_write_ref(
+                view(k.bfloat16()),
+                view(gate),
+                q,
+                tail_ref,
+                pages_ref,
+                ape,
+                table,
+                positions.view(r, t),
+                tail_rows,
+                bs,
+            )
+            assert _rel(tail, tail_ref) < 2**-8 and torch.equal(tail[0], tail_before[0])
+            got, want = unpack_kpool_pages_ref(pages[1:]), unpack_kpool_pages_ref(pages_ref[1:])
+            deq = [kk.float() * sc[..., None] for kk, sc in (got, want)]
+            assert _rel(deq[0], deq[1]) < 2**-5  # FP8 codes of BF16 neighbours at most
+            assert torch.equal(pages[0], pages_before[0])  # the padding request: nothing
+            rows = index_topk_ref(q8.view(n, h, hd), q_scale.view(n, h), weights, pages,
+                                  table, torch.arange(r).repeat_interleave(t), positions,
+                                  topk=topk, kpool=kp, tail=True, width=width)  # fmt: skip
+            live = 2 * t  # the padding request's rows select from the null blocks
+            assert torch.equal(buffer[:live, :width].long(), rows[:live])
+            assert (buffer[:n, width:] == -1).all() and (buffer[n] == 12345).all()
+            # A prefill in the step: vLLM's own forward (recorded: its kernels are GPU-only).
+            b.route(0, f"{p}.topk", None)
+            assert "forward" not in vars(indexer)
+            called = []
+            monkeypatch.setattr(type(indexer), "forward", lambda self, *a: called.append(a))
+            b.route(0, f"{p}.topk", select)
+            with override_forward_context(create_forward_context(metadata(1), vllm_config)):
+                indexer(x, qr, positions, None)
+            assert len(called) == 1
+            for kind in ("kpool", "topk"):
+                b.route(0, f"{p}.{kind}", None)
+            assert "forward" not in vars(indexer)
+    finally:
+        buffer[: n + 1] = saved
+
+
 def test_model_binds_the_specialized_decode_and_runs_stock_when_unplanned(built, monkeypatch):
     from vllm.models.glm5next import Glm5NextForCausalLM as Stock
 

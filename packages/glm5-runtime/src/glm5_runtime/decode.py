@@ -247,26 +247,24 @@ class LayerStages:
                 self._add(op, tokens, shard, f"{p}.dsa_attn")
 
     def _indexers(self, stage: str):
-        """(shard, prefix, its key weight) of every full indexer layer: a shared one reuses
-        the last full layer's selection and writes no pools."""
+        """(shard, prefix, its pool bias `index_kpool_compress_ape`) of every full indexer
+        layer: a shared one (no indexer weights) reuses the last full layer's selection and
+        writes no pools. (The bias, not wk: vLLM keeps wk fused with weights_proj.)"""
         b = self.backbone
         if b.indexer is None:
             raise ValueError(f"the backbone's indexers do not take {stage} (Backbone.indexer)")
         for layer in (x for x in self.layers if x.attention == "mla"):
             for shard in b.shards:
                 p = f"layers.{layer.index}.self_attn.indexer"
-                wk = b.weight(shard, f"{p}.wk.weight")
-                if wk is not None:
-                    yield shard, p, wk
+                ape = b.weight(shard, f"{p}.index_kpool_compress_ape")
+                if ape is not None:
+                    yield shard, p, ape
 
     def _dsa_kpool(self, tokens: list[int]) -> None:
         """Each full indexer layer's pool write (ring, compressed FP8 pool keys) and query
         rotation as one `KpoolWrite` launch (route `self_attn.indexer.kpool`)."""
         ix = self.backbone.indexer
-        for shard, p, _ in self._indexers("dsa_kpool"):
-            ape = self.backbone.weight(shard, f"{p}.index_kpool_compress_ape")
-            if ape is None:
-                raise ValueError(f"no {p}.index_kpool_compress_ape")
+        for shard, p, ape in self._indexers("dsa_kpool"):
             op = KpoolWrite(ix.heads, ix.head_dim, ape, kpool=ix.kpool, block_size=ix.block_size,
                             max_rows=max(tokens))  # fmt: skip
             self._add(op, tokens, shard, f"{p}.kpool")
@@ -275,10 +273,10 @@ class LayerStages:
         """Each full indexer layer's pool scoring and top-k selection as one `IndexerTopk`
         launch, after the pool write (route `self_attn.indexer.topk`; vLLM's FP8 pages)."""
         ix = self.backbone.indexer
-        for shard, p, wk in self._indexers("dsa_indexer"):
+        for shard, p, ape in self._indexers("dsa_indexer"):
             op = IndexerTopk(ix.heads, ix.head_dim, kpool=ix.kpool, topk=ix.topk, tail=ix.tail,
                              max_rows=max(tokens), max_pools=ix.max_pools,
-                             device=wk.device)  # fmt: skip
+                             device=ape.device)  # fmt: skip
             self._add(op, tokens, shard, f"{p}.topk")
 
     def prepare(self) -> set[str]:

@@ -18,7 +18,8 @@ is row-parallel and reduces), one part of a fused linear (the other parts keep v
 weights), the MoE gate (cast to the gate's output dtype), or an MLP block. The KDA route
 (`layers.{i}.self_attn.kda`) shadows the KDA layer's forward (`kda.kda_forward`); the
 sparse MLA route (`layers.{i}.self_attn.dsa_attn`) the MLA attention's decode core
-(`mla.install_sparse_mla`).
+(`mla.install_sparse_mla`); the indexer routes (`layers.{i}.self_attn.indexer.kpool` and
+`.topk`, both needed) the indexer's forward (`indexer.install_indexer`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from glm5_kernels.mhc import MhcConfig
 from glm5_runtime.plan import Rows, StepContext
 from glm5_runtime.protocol import Layer, Routing
 
+from .indexer import indexer_constants, install_indexer
 from .kda import KDA_CONV, KDA_WEIGHTS, kda_constants, kda_forward
 from .layouts import Layout, expert_layout, linear_layout
 from .mla import install_sparse_mla, mla_constants, uninstall_sparse_mla
@@ -99,13 +101,12 @@ class VllmBackbone:
         self._hc = config.hc_mult
         self.kda = kda_constants([self.decoder.layers[x.index].self_attn for x in self.layers
                          if x.attention == "kda"])  # fmt: skip
-        # The sparse MLA stage runs inside vLLM's MLA layers (mla.py) after vLLM's own
-        # indexer; the indexer's pool-write and selection stages are not wired into vLLM's
-        # indexer yet: it stays vLLM's.
-        self.mla = mla_constants([self._mla_attention(x.index)
-                                  for x in (*self.layers, *self.draft_layers)
-                                  if x.attention == "mla"])  # fmt: skip
-        self.indexer = None
+        # The sparse MLA stage runs inside vLLM's MLA layers (mla.py), the indexer's pool
+        # write and selection inside vLLM's indexers (indexer.py).
+        mla = [x.index for x in (*self.layers, *self.draft_layers) if x.attention == "mla"]
+        self.mla = mla_constants([self._mla_attention(i) for i in mla])
+        self.indexer = indexer_constants([self._module(f"layers.{i}.self_attn.indexer")
+                                          for i in mla])  # fmt: skip
         self.mhc = _mhc(config, [self.decoder.layers[x.index] for x in self.layers],
                         getattr(self.decoder, "norm", None))  # fmt: skip
         self._routes: dict[nn.Module, dict[int | None, Any]] = {}
@@ -293,6 +294,13 @@ class VllmBackbone:
 
     # Routes.
     def route(self, shard: int, name: str, op: Any) -> None:
+        if name.endswith((".self_attn.indexer.kpool", ".self_attn.indexer.topk")):
+            path, _, kind = name.rpartition(".")
+            module = self._module(path)
+            if module is None:
+                raise KeyError(f"glm5-vllm: no vLLM module {path}")
+            install_indexer(module, kind, op)  # runs once both are set (indexer.py)
+            return
         if name.endswith(".self_attn.dsa_attn"):  # the MLA layer's attention core (mla.py)
             index = int(name.split(".")[1])
             attention = self._mla_attention(index)

@@ -1,0 +1,160 @@
+"""The indexer's pool-write and selection stages inside vLLM's GLM-5.3-Flash indexer (seam 5):
+the stages' constants from the indexers (`indexer_constants`: `Backbone.indexer`) and the
+forward the routes `layers.{i}.self_attn.indexer.kpool` / `.topk` install together
+(`install_indexer`).
+
+vLLM's indexer projects the query (wq_b), the key and the head weights (wk | weights_proj),
+normalizes the key, rotates + quantizes the query, then runs one custom op that writes the
+tail ring and completed pools and selects (DeepGEMM scores, a top-k kernel, the pools
+expanded to tokens) into the model-wide top-k buffer. Routed, on a step whose rows are all
+decodes of one length (a plain decode or a uniform verify) and whose pages have the op's
+blocks, the same projections feed `KpoolWrite` (ring, pools into vLLM's pages, the queries
+rotated and cast) and `IndexerTopk` (scores and top-k), which writes the buffer's rows as
+vLLM's op does (top-k + kpool - 1 columns, -1 past them). The layouts are vLLM's own
+(tests/glm5_vllm/test_vllm_indexer_kernels.py checks them against vLLM's kernels).
+
+Placement from vLLM's metadata: the pool pages' block table is the indexer metadata's decode
+block table; a request's ring row is its tail-cache slot // ring (the tail metadata holds
+slots, not a block table), -1 for padding and dummy requests, which then write nothing; the
+head weights are hidden . weights_proj in FP32 before vLLM folds the query scales into them
+(`IndexerTopk` folds its own). Any other step runs vLLM's forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from glm5_runtime.protocol import Indexer
+
+__all__ = ["indexer_constants", "install_indexer"]
+
+
+def indexer_constants(indexers: list[nn.Module]) -> Indexer | None:
+    """The stages' constants where every MLA layer's indexer is vLLM's kpool indexer (pools
+    of more than one token, no rope part, the model-wide top-k buffer) with one shape and
+    bound caches whose pages hold whole pools; None otherwise (the indexer stays vLLM's)."""
+    if not indexers or any(not _kpool_indexer(m) for m in indexers):
+        return None
+    found = {(m.n_head, m.head_dim, m.index_kpool, m.topk_tokens, m.max_pool_len,
+              _pages(m).shape[1] * m.index_kpool) for m in indexers}  # fmt: skip
+    if len(found) != 1:
+        return None
+    heads, head_dim, kpool, topk, pools, block_size = found.pop()
+    return Indexer(heads, head_dim, kpool, topk, True, pools, block_size)
+
+
+def _kpool_indexer(m: nn.Module) -> bool:
+    needed = ("wq_b", "wk_weights_proj", "k_norm", "index_kpool_compress_gate", "k_cache",
+              "tail_cache", "n_head", "head_dim", "index_kpool", "topk_tokens")  # fmt: skip
+    if m is None or not all(hasattr(m, n) for n in needed):
+        return False
+    return (
+        m.index_kpool > 1
+        and getattr(m, "rope_dim", 0) == 0
+        and getattr(m, "topk_indices_buffer", None) is not None
+        and isinstance(_pages(m), Tensor)
+        and isinstance(getattr(m.tail_cache, "kv_cache", None), Tensor)
+    )
+
+
+def _pages(m: nn.Module) -> Tensor | None:
+    pages = getattr(m.k_cache, "kv_cache", None)
+    return pages if isinstance(pages, Tensor) and pages.dim() == 3 else None
+
+
+# The ops each routed indexer holds: {"kpool": KpoolWrite, "topk": IndexerTopk}.
+_ops: dict[nn.Module, dict[str, Any]] = {}
+
+
+def install_indexer(module: nn.Module, kind: str, op: Any | None) -> None:
+    """Set (op) or clear (None) one of the indexer's two stage ops; its forward runs the
+    stages while both are set, vLLM's own otherwise."""
+    ops = _ops.setdefault(module, {})
+    if op is None:
+        ops.pop(kind, None)
+    else:
+        ops[kind] = op
+    if "kpool" in ops and "topk" in ops:
+        module.forward = _forward(module, ops["kpool"], ops["topk"])
+    else:
+        module.__dict__.pop("forward", None)
+        if not ops:
+            del _ops[module]
+
+
+@dataclass
+class _Placement:
+    """A uniform decode step in the stages' terms: R requests x T tokens."""
+
+    block_table: Tensor  # [R, B] the pool pages' blocks
+    positions: Tensor  # [R, T]
+    tail_rows: Tensor  # [R] each request's ring row, -1: padding
+    request: Tensor  # [R * T] each row's request
+
+
+def _forward(module: nn.Module, kpool: Any, topk: Any):
+    stock = type(module).forward.__get__(module)
+    h, hd, width = module.n_head, module.head_dim, topk.width
+
+    def forward(hidden_states: Tensor, qr: Tensor, positions: Tensor, rotary_emb=None):
+        place = _placement(module, positions, kpool, topk)
+        if place is None:
+            return stock(hidden_states, qr, positions, rotary_emb)
+        r, t = place.positions.shape
+        n = r * t
+        x = hidden_states[:n]
+        q = module.wq_b(qr[:n])[0].view(r, t, h, hd)
+        kw = module.wk_weights_proj(x)[0]
+        norm = module.k_norm  # vLLM's key norm: FP32 LayerNorm, back to the input dtype
+        k = F.layer_norm(kw[:, :hd].float(), (hd,), norm.weight, norm.bias, norm.eps)
+        k = k.to(kw.dtype).view(r, t, hd)
+        if module._wp_fp32 is None:  # as vLLM caches it: weights_proj's rows, FP32
+            module._wp_fp32 = module.wk_weights_proj.weight.data[hd:].t().contiguous().float()
+        weights = torch.mm(x.float(), module._wp_fp32)
+        gate = F.linear(x, module.index_kpool_compress_gate).view(r, t, hd)
+        q8, q_scale = kpool(k, gate, q, module.tail_cache.kv_cache, module.k_cache.kv_cache,
+                            place.block_table, place.positions, place.tail_rows)  # fmt: skip
+        buffer = module.topk_indices_buffer
+        topk(q8.view(n, h, hd), q_scale.view(n, h), weights, module.k_cache.kv_cache,
+             place.block_table, place.request, place.positions.view(n),
+             out=buffer[:n, :width])  # fmt: skip
+        if buffer.shape[1] > width:  # vLLM's own sparse backend reads whole rows
+            buffer[:n, width:] = -1
+        return buffer
+
+    return forward
+
+
+def _placement(module: nn.Module, positions: Tensor, kpool: Any, topk: Any):
+    """This step's placement from vLLM's forward context: None unless every row is a
+    decode of one length, the ops serve its rows and the pages have the op's blocks."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    by_layer = get_forward_context().attn_metadata
+    if not isinstance(by_layer, dict):
+        return None
+    md = by_layer.get(module.k_cache.prefix)
+    tail_md = by_layer.get(module.tail_cache.prefix)
+    decode = getattr(md, "decode", None)
+    if md is None or tail_md is None or decode is None or md.num_prefills != 0:
+        return None
+    r, n = md.num_decodes, md.num_decode_tokens
+    if r <= 0 or n % r or decode.requires_padding or not decode.decode_is_uniform:
+        return None
+    pages, tail = module.k_cache.kv_cache, module.tail_cache.kv_cache
+    if pages.shape[1] * module.index_kpool != kpool.block_size or tail.dim() != 4:
+        return None  # the op was built for other blocks
+    if not (kpool.supports(n) and topk.supports(n)) or positions.shape[0] < n:
+        return None
+    t, ring = n // r, tail.shape[2]
+    slots = tail_md.slot_mapping[:n].view(r, t)[:, 0]
+    tail_rows = torch.where(slots >= 0, slots.div(ring, rounding_mode="floor"), -1)
+    request = torch.arange(r, device=positions.device).repeat_interleave(t)
+    return _Placement(decode.block_table[:r], positions[:n].view(r, t), tail_rows, request)
