@@ -502,6 +502,17 @@ def test_indexer_routes_run_the_pool_write_and_selection_in_vllms_indexer(built,
             live = 2 * t  # the padding request's rows select from the null blocks
             assert torch.equal(buffer[:live, :width].long(), rows[:live])
             assert (buffer[:n, width:] == -1).all() and (buffer[n] == 12345).all()
+            # The step's placement is computed once for all its indexers (shared metadata).
+            import glm5_vllm.indexer as indexer_module
+
+            second = indexers[1]
+            md, tail_md = metadata(0).values()
+            shared = {indexer.k_cache.prefix: md, indexer.tail_cache.prefix: tail_md,
+                      second.k_cache.prefix: md, second.tail_cache.prefix: tail_md}  # fmt: skip
+            with override_forward_context(create_forward_context(shared, vllm_config)):
+                places = [indexer_module._placement(m, positions, kpool, select)
+                          for m in (indexer, second)]  # fmt: skip
+            assert places[0] is not None and places[0] is places[1]
             # A prefill in the step: vLLM's own forward (recorded: its kernels are GPU-only).
             b.route(0, f"{p}.topk", None)
             assert "forward" not in vars(indexer)

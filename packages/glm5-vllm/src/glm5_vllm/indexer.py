@@ -153,7 +153,20 @@ def _placement(module: nn.Module, positions: Tensor, kpool: Any, topk: Any):
         return None  # the op was built for other blocks
     if not (kpool.supports(n) and topk.supports(n)) or positions.shape[0] < n:
         return None
-    t, ring = n // r, tail.shape[2]
+    key = (md, tail_md, positions, tail.shape[2])
+    if _placed[0] is None or any(a is not b for a, b in zip(_placed[0], key, strict=True)):
+        # The step's indexers share their metadata: placed once a step (held, so no later
+        # object can take a placed one's identity).
+        _placed[:] = [key, _place(decode, tail_md, positions, r, n // r, tail.shape[2])]
+    return _placed[1]
+
+
+# The last (metadata, tail metadata, positions, ring) placed and its placement.
+_placed: list = [None, None]
+
+
+def _place(decode: Any, tail_md: Any, positions: Tensor, r: int, t: int, ring: int):
+    n = r * t
     slots = tail_md.slot_mapping[:n].view(r, t)[:, 0]
     tail_rows = torch.where(slots >= 0, slots.div(ring, rounding_mode="floor"), -1)
     request = torch.arange(r, device=positions.device).repeat_interleave(t)
