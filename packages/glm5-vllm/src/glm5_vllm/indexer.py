@@ -123,8 +123,6 @@ def _forward(module: nn.Module, kpool: Any, topk: Any):
         topk(q8.view(n, h, hd), q_scale.view(n, h), weights, module.k_cache.kv_cache,
              place.block_table, place.request, place.positions.view(n),
              out=buffer[:n, :width])  # fmt: skip
-        if buffer.shape[1] > width:  # vLLM's own sparse backend reads whole rows
-            buffer[:n, width:] = -1
         return buffer
 
     return forward
@@ -158,6 +156,8 @@ def _placement(module: nn.Module, positions: Tensor, kpool: Any, topk: Any):
         # The step's indexers share their metadata: placed once a step (held, so no later
         # object can take a placed one's identity).
         _placed[:] = [key, _place(decode, tail_md, positions, r, n // r, tail.shape[2])]
+        buffer = module.topk_indices_buffer  # model-wide: its columns past the selection's
+        buffer[:n, topk.width :] = -1  # -1 once a step (vLLM's own backend reads whole rows)
     return _placed[1]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from glm5_kernels.dsa.checks import index_problems, table_problems
 from glm5_kernels.gemm.linear import _capturing, _interpreting, _pdl
 
 __all__ = ["SparseMlaDecode"]
@@ -145,11 +146,8 @@ class SparseMlaDecode:
                 or cache.stride(2) != 1:  # fmt: skip
             problems.append(f"cache: {tuple(cache.shape)} {cache.dtype}, expected [blocks, bs, "
                             f"{lat}] bfloat16, latents contiguous")  # fmt: skip
-        ints = (torch.int32, torch.int64)
-        for name, x, dims in (("block_table", block_table, 2), ("request", request, 1),
-                              ("indices", indices, 2)):  # fmt: skip
-            if x.dim() != dims or x.dtype not in ints or x.stride(-1) != 1:
-                problems.append(f"{name}: {tuple(x.shape)} {x.dtype}, expected {dims}-D int")
+        problems += index_problems(block_table=(block_table, 2), request=(request, 1),
+                                   indices=(indices, 2))  # fmt: skip
         if not problems and (request.shape[0] != n or indices.shape[0] != n):
             problems.append(f"request / indices: {request.shape[0]} / {indices.shape[0]} rows, "
                             f"q_lat has {n}")  # fmt: skip
@@ -161,10 +159,6 @@ class SparseMlaDecode:
             bs, blocks = cache.shape[1], block_table.shape[1]
             if indices.numel() and indices.max() >= blocks * bs:
                 problems.append(f"indices: a position past the block table ({blocks} x {bs})")
-            if request.numel() and (request.min() < 0 or request.max() >= block_table.shape[0]):
-                problems.append(f"request: outside 0..{block_table.shape[0] - 1}")
-            if block_table.numel() and (block_table.min() < 0
-                                        or block_table.max() >= cache.shape[0]):  # fmt: skip
-                problems.append(f"block_table: a block outside the cache's {cache.shape[0]}")
+            problems += table_problems(request, block_table, cache.shape[0])
         if problems:
             raise ValueError("SparseMlaDecode: " + "; ".join(problems))

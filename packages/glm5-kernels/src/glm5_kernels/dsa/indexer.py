@@ -7,19 +7,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from glm5_kernels.dsa.checks import index_problems, paged, table_problems
 from glm5_kernels.gemm.linear import _capturing, _interpreting, _pdl
 
 __all__ = ["IndexerTopk"]
 
 BP, BC, WARPS = 64, 64, 4  # pools a scoring step, output pools a store step
-
-
-def _paged(pages: Tensor, hd: int) -> bool:
-    """vLLM's pool pages [blocks, S, hd + 4] uint8: each block's S * (hd + 4) bytes together
-    (S keys, then S FP32 scales), blocks at any 4-byte aligned stride."""
-    return (pages.dim() == 3 and pages.dtype == torch.uint8 and pages.shape[2] == hd + 4
-            and pages.stride(2) == 1 and pages.stride(1) == hd + 4
-            and pages.stride(0) % 4 == 0 and pages.storage_offset() % 4 == 0)  # fmt: skip
 
 
 def _pow2(n: int) -> int:
@@ -123,15 +116,12 @@ class IndexerTopk:
                                 "float32")  # fmt: skip
         if q_scale.dim() == weights.dim() == 2 and q_scale.stride() != weights.stride():
             problems.append("q_scale / weights: one row stride expected")  # the kernel's one
-        if not _paged(pages, hd):
+        if not paged(pages, hd):
             problems.append(f"pages: {tuple(pages.shape)} {pages.dtype} strides "
                             f"{pages.stride()}, expected [blocks, S, {hd + 4}] uint8, each "
                             "block's page contiguous at a 4-byte aligned block stride")  # fmt: skip
-        ints = (torch.int32, torch.int64)
-        for name, x, dims in (("block_table", block_table, 2), ("request", request, 1),
-                              ("positions", positions, 1)):  # fmt: skip
-            if x.dim() != dims or x.dtype not in ints or x.stride(-1) != 1:
-                problems.append(f"{name}: {tuple(x.shape)} {x.dtype}, expected {dims}-D int")
+        problems += index_problems(block_table=(block_table, 2), request=(request, 1),
+                                   positions=(positions, 1))  # fmt: skip
         if not problems:
             if request.shape[0] != n or positions.shape[0] != n:
                 problems.append(f"request / positions: {request.shape[0]} / "
@@ -145,11 +135,7 @@ class IndexerTopk:
             problems.append(f"out: {tuple(out.shape)} {out.dtype}, expected [{n}, "
                             f"{self.width}] int32")  # fmt: skip
         if not problems and not _capturing():  # host syncs: only outside capture
-            if n and (request.min() < 0 or request.max() >= block_table.shape[0]):
-                problems.append(f"request: outside 0..{block_table.shape[0] - 1}")
-            elif block_table.numel() and (block_table.min() < 0
-                                          or block_table.max() >= pages.shape[0]):  # fmt: skip
-                problems.append(f"block_table: a block outside 0..{pages.shape[0] - 1}")
+            problems += table_problems(request, block_table, pages.shape[0])
             if n and positions.min() < 0:
                 problems.append("positions: negative")
         if problems:

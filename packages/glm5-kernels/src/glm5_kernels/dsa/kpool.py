@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from glm5_kernels.dsa.indexer import _paged
+from glm5_kernels.dsa.checks import INTS, paged
 from glm5_kernels.dsa.reference import _hadamard
 from glm5_kernels.gemm.linear import _interpreting, _pdl
 
@@ -99,17 +99,16 @@ class KpoolWrite:
             problems.append(f"tail: {tuple(tail.shape)} {tail.dtype}, expected [rows, 2, ring, "
                             f"{hd}] bfloat16, slots contiguous")  # fmt: skip
         s = self.block_size // self.kpool
-        if not _paged(pages, hd) or pages.shape[1] != s:
+        if not paged(pages, hd) or pages.shape[1] != s:
             problems.append(f"pages: {tuple(pages.shape)} {pages.dtype} strides "
                             f"{pages.stride()}, expected [blocks, {s}, {hd + 4}] uint8, each "
                             "block's page contiguous at a 4-byte aligned block stride")  # fmt: skip
         if rt is not None and ring and ring < self.kpool + rt[1] - 1:
             problems.append(f"tail: a ring of {ring} cannot hold a pool of {self.kpool} and "
                             f"{rt[1]} tokens a request")  # fmt: skip
-        ints = (torch.int32, torch.int64)
         for name, x, shape in (("block_table", block_table, None), ("positions", positions, rt),
                                ("tail_rows", tail_rows, rt[:1] if rt else None)):  # fmt: skip
-            bad = x.dtype not in ints or not x.is_contiguous()
+            bad = x.dtype not in INTS or not x.is_contiguous()
             if bad or (shape is not None and tuple(x.shape) != shape):
                 problems.append(f"{name}: {tuple(x.shape)} {x.dtype}, expected contiguous int"
                                 + (f" {shape}" if shape else ""))  # fmt: skip
