@@ -53,6 +53,11 @@ def call_bytes(heads: int, rows: int, width: int) -> int:
     return rows * (width * L * 2 + heads * L * 2 + heads * VD * 2) + heads * VD * L * 2
 
 
+def _copies(per_call: int) -> int:
+    """Calls on distinct inputs a graph replays: twice L2 in all, 2 to 32 of them."""
+    return max(2, min(32, math.ceil(2 * L2_BYTES / per_call)))
+
+
 def case(op, heads, requests, q, context, bw, gen) -> dict:
     rows, per = requests * q, -(-context // BS)
     width = min(SELECTED, context)
@@ -61,7 +66,7 @@ def case(op, heads, requests, q, context, bw, gen) -> dict:
     table = table.int()
     request = torch.arange(requests, device="cuda").repeat_interleave(q).int()
     per_call = call_bytes(heads, rows, width)
-    copies = max(2, min(32, math.ceil(2 * L2_BYTES / per_call)))
+    copies = _copies(per_call)
 
     def selection():
         idx = torch.full((rows, SELECTED), -1, dtype=torch.int32, device="cuda")
@@ -105,7 +110,7 @@ def indexer_case(requests, q, context, bw, gen) -> dict:
     op = IndexerTopk(IH, IHD, kpool=KP, topk=2048, tail=True, max_rows=rows, max_pools=pools)
     op.prepare()
     per_call = rows * (pools * (IHD + 4) + IH * (IHD + 8) + op.width * 4)
-    copies = max(2, min(32, math.ceil(2 * L2_BYTES / per_call)))
+    copies = _copies(per_call)
     calls = []
     for _ in range(copies):
         q8, q_scale = rotate_quant_fp8_ref(torch.randn(rows, IH, IHD, generator=gen, device="cuda"))
