@@ -177,6 +177,59 @@ def test_routes_run_stage_ops_and_leave_vllms_modules_as_they_were(built):
         b.route(0, "layers.99.self_attn.o_proj.weight", lambda t: t)
 
 
+def test_unreduced_leaves_every_sublayer_output_tp_partial(built, monkeypatch):
+    """Inside `unreduced()` (a fused boundary all-reduces instead) vLLM's row-parallel
+    layers and MoE blocks skip their all-reduce, stock and routed alike; outside, and after
+    it, they reduce as vLLM built them. TP 2 is played by the layers' `tp_size` and a
+    stand-in all-reduce that doubles (two ranks' equal partials); TP 1 has no mailbox."""
+    import vllm.distributed as vd
+    import vllm.model_executor.layers.linear as vllm_linear
+    from vllm.config import set_current_vllm_config
+
+    model, vllm_config, _, _ = built
+    b = _backbone(built)
+    layers = model.model.layers
+    flags = b._reduce_flags()
+    assert len(flags) == 2 * len(layers)
+    before = [getattr(h, n) for h, n, _ in flags]
+    assert before == [not v for _, _, v in flags]  # vLLM reduces every sublayer's output
+    with b.unreduced():
+        assert [getattr(h, n) for h, n, _ in flags] == [v for _, _, v in flags]
+    assert [getattr(h, n) for h, n, _ in flags] == before
+    assert b.mailbox(b.hidden_size, 8) is None  # TP 1: nothing to exchange
+
+    def doubled(t):
+        return 2 * t
+
+    monkeypatch.setattr(vllm_linear, "tensor_model_parallel_all_reduce", doubled)
+    monkeypatch.setattr(vd, "tensor_model_parallel_all_reduce", doubled)
+    monkeypatch.setattr(vd, "get_tensor_model_parallel_world_size", lambda: 2)
+    dense = next(i for i, x in enumerate(b.layers) if x.mlp == "dense")
+    moe = next(i for i, x in enumerate(b.layers) if x.mlp == "moe")
+    down = layers[dense].mlp.down_proj
+    monkeypatch.setattr(down, "tp_size", 2)
+    x = torch.randn(3, b.hidden_size, generator=torch.Generator().manual_seed(2)).bfloat16()
+    with set_current_vllm_config(vllm_config), torch.no_grad():
+        mlp = layers[dense].mlp
+        reduced = down(mlp.act_fn(mlp.gate_up_proj(x)[0]))[0]  # "summed" over the 2 ranks
+        with b.unreduced():
+            assert torch.equal(b.mlp(0, dense, x), reduced / 2)  # stock: no all-reduce
+        assert torch.equal(b.mlp(0, dense, x), reduced)
+        # Routes decide at each call: a routed MLP block and MoE block alike.
+        for i in (dense, moe):
+            b.route(0, f"layers.{i}.mlp", lambda t: t + 1)
+            want = x + 1
+            with b.unreduced():
+                assert torch.equal(b.mlp(0, i, x), want), i
+            assert torch.equal(b.mlp(0, i, x), 2 * want), i
+            b.route(0, f"layers.{i}.mlp", None)
+    # An MoE kernel that reduces inside cannot leave its output to a boundary: no mailbox.
+    runner = type(layers[moe].mlp.experts)
+    monkeypatch.setattr(runner, "_fused_output_is_reduced", True)
+    with pytest.raises(ValueError, match=f"layer {moe}: its MoE kernel all-reduces inside"):
+        b.mailbox(b.hidden_size, 8)
+
+
 def test_kda_route_runs_the_fused_step_on_vllms_caches(built, monkeypatch):
     """The fused KDA stage inside vLLM's KDA layer (seam 5): the layer's small weights by HF
     name, `Backbone.kda` from its modules; routed, a uniform verify and a plain decode under

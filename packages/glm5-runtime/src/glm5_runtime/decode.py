@@ -13,8 +13,10 @@ stage that cannot be built logs one warning and its ops stay stock.
 The `boundary` stage replaces the loop's mHC boundaries themselves (post, pre, norm: dozens
 of stock kernels each) with one `MhcBoundary` kernel each: the first expands the embedding
 into the streams, the last takes the streams' mean and the final norm. Sublayer outputs are
-still reduced before it (`partial` is False): the all-reduce fused into the boundary is
-glm5-comm's, not built yet. The `kda` stage runs each KDA layer's conv -> gates -> delta
+reduced by the backbone before it, unless the TP ranks live in other processes and the
+backbone gives a mailbox over them: then sublayers leave their outputs TP-partial (`partial`)
+and each boundary is glm5-comm's `AllReduceBoundary`, the all-reduce and the boundary in one
+launch. The `kda` stage runs each KDA layer's conv -> gates -> delta
 rule -> gated norm as one `KdaDecode` launch between the backbone's projections and o_proj,
 on the layer's caches and the step's neutral placement (the `self_attn.kda` route).
 """
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from glm5_comm import AllReduceBoundary
 from glm5_kernels.dsa import IndexerTopk, KpoolWrite, SparseMlaDecode
 from glm5_kernels.gemm import DenseMlp, Projection, Router, SharedExpert
 from glm5_kernels.kda import KdaDecode
@@ -317,18 +320,25 @@ class LayerStages:
                 self.backbone.route(shard, name, None)
 
     def partial(self, tokens: int) -> bool:
-        """Whether sublayers leave their outputs TP-partial for a fused boundary (none yet)."""
+        """Whether sublayers leave their outputs TP-partial for a fused boundary."""
         return False
 
     def attention(self, layer, x: Tensor, placement: Any) -> Tensor:
-        """The layer's reduced attention output (projections routed per the policy)."""
-        b = self.backbone
-        return b.reduce([b.attention(s, layer.index, x, placement) for s in b.shards])
+        """The layer's attention output, reduced or, where `partial`, this process's
+        TP-partial one (projections routed per the policy)."""
+        return self._sublayer(x, lambda s: self.backbone.attention(s, layer.index, x, placement))
 
     def mlp(self, layer, x: Tensor) -> Tensor:
-        """The layer's reduced MLP output (dense MLP / router / shared expert routed)."""
+        """The layer's MLP output, as `attention`'s (dense MLP / MoE stages routed)."""
+        return self._sublayer(x, lambda s: self.backbone.mlp(s, layer.index, x))
+
+    def _sublayer(self, x: Tensor, shard_output: Callable[[int], Tensor]) -> Tensor:
         b = self.backbone
-        return b.reduce([b.mlp(s, layer.index, x) for s in b.shards])
+        if self.partial(x.numel() // x.shape[-1]):
+            (shard,) = b.shards  # `_boundaries` exchanges only one shard a process
+            with b.unreduced():
+                return shard_output(shard)
+        return b.reduce([shard_output(s) for s in b.shards])
 
 
 class SpecializedDecode(LayerStages):
@@ -350,6 +360,7 @@ class SpecializedDecode(LayerStages):
         self._build("logits_head", heads, choice="skinny")
         # The mHC boundaries: one kernel object for all of them, their weights per site.
         self.mhc: MhcBoundary | None = None
+        self.exchange: AllReduceBoundary | None = None  # `mhc` all-reducing partial outputs
         self.mhc_tokens: frozenset[int] = frozenset()
         self._sites: dict[tuple[int, str], tuple[Tensor, ...]] = {}
         self._build("boundary", self._boundaries)
@@ -376,8 +387,18 @@ class SpecializedDecode(LayerStages):
         for w in sites.values():
             op.check_weights(*w)
         op.check_weights(*sites[self.layers[0].index, "attn"][:3], final)
-        self._add(op, tokens, None, None)  # not a route: `run` calls it
-        self.mhc, self.mhc_tokens, self._sites = op, frozenset(tokens), sites
+        # TP ranks in other processes: the boundaries all-reduce the partial outputs
+        # themselves (compiled with the exchange, every process alike).
+        mailbox = b.mailbox(b.hidden_size, max(tokens))
+        exchange = None
+        if mailbox is not None:
+            if len(b.shards) != 1:
+                raise ValueError(f"shards {list(b.shards)} in a process of a TP group: the "
+                                 "fused all-reduce sums one shard a process")  # fmt: skip
+            exchange = AllReduceBoundary(mailbox, op)
+        self._add(exchange or op, tokens, None, None)  # not a route: `run` calls it
+        self.mhc, self.exchange = op, exchange
+        self.mhc_tokens, self._sites = frozenset(tokens), sites
         self._final_norm = final
 
     def prepare(self) -> set[str]:
@@ -385,8 +406,11 @@ class SpecializedDecode(LayerStages):
         if "logits_head" in failed:
             self.head = {}
         if "boundary" in failed:
-            self.mhc = None
+            self.mhc, self.exchange = None, None
         return failed
+
+    def partial(self, tokens: int) -> bool:
+        return self.exchange is not None and tokens in self.mhc_tokens
 
     def plan(self, placement: Any, capturing: bool, graph: str = "FULL") -> Plan:
         """This step's plan (`plan.step`), or the reason the stock forward runs."""
@@ -424,6 +448,9 @@ class SpecializedDecode(LayerStages):
         last, post -> the streams' mean -> the final norm."""
         shape, op, sites = x.shape, self.mhc, self._sites
         assert op is not None
+        # After a sublayer: its output reduced here, or its partial through the exchange.
+        boundary = self.exchange if self.partial(x.numel() // shape[-1]) else op
+        assert boundary is not None
 
         def rows(t: Tensor) -> Tensor:
             return t.reshape(-1, shape[-1]).contiguous()
@@ -431,12 +458,13 @@ class SpecializedDecode(LayerStages):
         streams, post, comb, h = op.expand_pre(rows(x), *sites[self.layers[0].index, "attn"])
         for i, layer in enumerate(self.layers):
             a = rows(self.attention(layer, h.view(shape), placement))
-            streams, post, comb, h = op.post_pre(a, streams, post, comb, *sites[layer.index, "ffn"])
+            site = sites[layer.index, "ffn"]
+            streams, post, comb, h = boundary.post_pre(a, streams, post, comb, *site)
             m = rows(self.mlp(layer, h.view(shape)))
             if i + 1 == len(self.layers):
-                return op.head(m, streams, post, comb, self._final_norm).view(shape)
+                return boundary.head(m, streams, post, comb, self._final_norm).view(shape)
             nxt = sites[self.layers[i + 1].index, "attn"]
-            streams, post, comb, h = op.post_pre(m, streams, post, comb, *nxt)
+            streams, post, comb, h = boundary.post_pre(m, streams, post, comb, *nxt)
         raise AssertionError("unreachable: a backbone has layers")
 
     def forward(

@@ -7,19 +7,28 @@ reference simulates several). Sublayer outputs are per shard and TP-partial; `re
 all-reduce. A backbone's own step object (`placement`: cache slots, block tables, metadata)
 passes through the runtime untouched; `rows(placement)` gives the neutral row counts the
 routing decision reads.
+
+TP ranks in other processes (seam 6): where `mailbox` gives one, the fused boundaries
+all-reduce the sublayers' outputs themselves, through it: the runtime runs `attention` and
+`mlp` inside `unreduced()` (this process's one shard's TP-partial output, no all-reduce) and
+hands the partial to glm5-comm's `AllReduceBoundary`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
 from glm5_kernels.mhc import MhcConfig
 
 from .plan import Rows
+
+if TYPE_CHECKING:
+    from glm5_comm import Mailbox
 
 __all__ = ["Backbone", "Indexer", "Kda", "KdaPlacement", "Layer", "Mla", "Route", "Routing"]
 
@@ -194,6 +203,16 @@ class Backbone(Protocol):
 
     def reduce(self, partials: Sequence[Tensor]) -> Tensor:
         """The TP all-reduce of the shards' partial outputs."""
+
+    def unreduced(self) -> AbstractContextManager[None]:
+        """Inside it, `attention` and `mlp` return this process's TP-partial output, never
+        all-reduced across processes (vLLM: its row-parallel layers' and MoE blocks'
+        all-reduce off); the runtime enters it only where `mailbox` gave a mailbox."""
+
+    def mailbox(self, hidden: int, max_tokens: int) -> Mailbox | None:
+        """This process's mailbox over the processes holding the TP ranks (glm5-comm's; every
+        process asks alike, before CUDA-graph capture): the fused boundaries all-reduce
+        through it. None where this process holds every shard (nothing to exchange)."""
 
     def head(self, shard: int, x: Tensor) -> Tensor:
         """Shard's vocab slice of the logits, FP32."""

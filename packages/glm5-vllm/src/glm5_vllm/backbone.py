@@ -3,7 +3,10 @@
 The stock operations are vLLM's own modules, called as its decoder layer calls them (mHC pre
 with the fused input norm, attention, mHC post, MLP / MoE). vLLM's row-parallel modules
 all-reduce inside (o_proj, down_proj, the fused MoE), so a sublayer output is already
-reduced and `reduce` is the identity until a fused boundary switches a module's reduce off.
+reduced and `reduce` is the identity; inside `unreduced()` (where the fused boundaries
+all-reduce through `mailbox`, TP > 1) those all-reduces are off: every decoder layer's
+o_proj and down_proj `reduce_results` False and its MoE's `skip_final_all_reduce` True (the
+flags vLLM's modules read at each call), restored on exit.
 
 Weights are read by their HF names, as views of vLLM's parameters (never copies, never
 modified): the fused projections (`fused_qkv_a_proj` = q_a | kv_a, `in_proj_qkvbfg_a` =
@@ -24,7 +27,8 @@ sparse MLA route (`layers.{i}.self_attn.dsa_attn`) the MLA attention's decode co
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -268,6 +272,54 @@ class VllmBackbone:
         (out,) = partials  # one rank per process; vLLM's modules reduced it already
         return out
 
+    def _reduce_flags(self) -> list[tuple[Any, str, bool]]:
+        """(holder, flag, its value that leaves the output TP-partial) of every all-reduce
+        inside the decoder layers' sublayers."""
+        flags = []
+        for layer in self.decoder.layers:
+            flags.append((layer.self_attn.o_proj, "reduce_results", False))
+            if layer._mlp_is_moe:
+                flags.append((layer.mlp.experts.moe_config, "skip_final_all_reduce", True))
+            else:
+                flags.append((layer.mlp.down_proj, "reduce_results", False))
+        return flags
+
+    @contextmanager
+    def unreduced(self) -> Iterator[None]:
+        flags = self._reduce_flags()
+        saved = [getattr(holder, name) for holder, name, _ in flags]
+        try:
+            for holder, name, value in flags:
+                setattr(holder, name, value)
+            yield
+        finally:
+            for (holder, name, _), value in zip(flags, saved, strict=True):
+                setattr(holder, name, value)
+
+    def mailbox(self, hidden: int, max_tokens: int):
+        """A mailbox on torch symmetric memory over vLLM's TP group; None at TP 1. Refused
+        (an error: the boundary stage then runs stock) where a sublayer's all-reduce cannot
+        be left to it: an MoE kernel that reduces inside, sequence-parallel MoE."""
+        from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
+
+        if get_tensor_model_parallel_world_size() == 1:
+            return None
+        problems = []
+        for i, layer in enumerate(self.decoder.layers):
+            if not layer._mlp_is_moe:
+                continue
+            runner = layer.mlp.experts
+            if getattr(runner, "_fused_output_is_reduced", False):
+                problems.append(f"layer {i}: its MoE kernel all-reduces inside")
+            if getattr(runner.moe_config, "is_sequence_parallel", False):
+                problems.append(f"layer {i}: sequence-parallel MoE")
+        if problems:
+            raise ValueError("no fused all-reduce: " + "; ".join(problems))
+        from glm5_comm import Mailbox
+
+        group = get_tp_group().device_group
+        return Mailbox.symmetric(hidden, max_tokens, group=group)
+
     def head(self, shard: int, x: Tensor) -> Tensor:
         head = self.model.lm_head
         return head.quant_method.apply(head, x).float()
@@ -388,6 +440,9 @@ class VllmDraftBackbone(VllmBackbone):
         keep = (placement.positions != 0)[..., None].to(embeds.dtype)
         return torch.cat([layer.enorm(embeds * keep), layer.hnorm(hidden)], dim=-1)
 
+    def mailbox(self, hidden: int, max_tokens: int):
+        return None  # the MTP layers have no mHC boundaries to fuse an all-reduce into
+
     def attention(self, shard: int, layer: int, x: Tensor, placement: VllmStep) -> Tensor:
         block = self._mtp[layer].mtp_block
         return block.self_attn(hidden_states=x, positions=placement.positions)
@@ -405,15 +460,20 @@ def _routed_forward(module: nn.Module, ops: dict[int | None, Any]):
     linear = isinstance(module, (LinearBase, nn.Linear))  # nn.Linear: the MTP eh_proj
     returns_bias = isinstance(module, LinearBase) and getattr(module, "return_bias", True)
     out_dtype = getattr(module, "out_dtype", None)
-    if linear:
-        reduce = tp > 1 and getattr(module, "reduce_results", False)
-    elif hasattr(module, "experts"):  # an MoE block: vLLM's returns routed + shared reduced
-        reduce = tp > 1
-    else:  # an MLP block ends in its down_proj
-        reduce = tp > 1 and getattr(module.down_proj, "reduce_results", False)
+
+    def reduce() -> bool:
+        """Whether vLLM's module would all-reduce its output now (`unreduced` turns the
+        flags it reads off while a planned step runs)."""
+        if tp == 1:
+            return False
+        if linear:
+            return getattr(module, "reduce_results", False)
+        if hasattr(module, "experts"):  # an MoE block: vLLM's returns routed + shared reduced
+            return not module.experts.moe_config.skip_final_all_reduce
+        return getattr(module.down_proj, "reduce_results", False)  # an MLP block
 
     def finish(y: Tensor):
-        if reduce:
+        if reduce():
             y = all_reduce(y)
         if out_dtype is not None:
             y = y.to(out_dtype)

@@ -1,22 +1,26 @@
 """The reference backbone through the backbone protocol: `ReferenceBackbone(model)` presents
 a ReferenceModel's layers, weights and stock stages to the specialized decode. Its
-`placement` is the model's `Step`; the stock forward is `model.backbone`."""
+`placement` is the model's `Step`; the stock forward is `model.backbone`. A model across
+processes (`ReferenceModel(group=...)`) presents its one rank, its sums across the processes
+and their mailboxes (`mailbox`) for the fused boundaries' exchange."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from types import MappingProxyType
 
 import torch
 from torch import Tensor
 
+from glm5_comm import Mailbox
 from glm5_kernels.mhc import MhcConfig, hc_expand_ref, hc_head_ref, hc_post_ref
 from glm5_kernels.norm import rms_norm_ref
 
 from ..plan import Rows
 from ..protocol import Indexer, Kda, Layer, Mla, Routing
 from .model import ReferenceModel
-from .stages import FUSED_PARTS, Step, reduce
+from .stages import FUSED_PARTS, Step
 
 __all__ = ["ReferenceBackbone"]
 
@@ -33,8 +37,11 @@ class ReferenceBackbone:
         "in_proj_qkvbfg_a": ("q_proj", "k_proj", "v_proj"),
     })  # fmt: skip
 
-    def __init__(self, model: ReferenceModel):
+    def __init__(self, model: ReferenceModel, mailbox: Callable[[int, int], Mailbox] | None = None):
+        """`mailbox(hidden, max_tokens)`: this process's mailbox over the model's group
+        (default: torch symmetric memory, on GPUs)."""
         g = model.g
+        self._mailbox = mailbox
         self.model, self.g = model, g
         self.layers = [
             Layer(i, "mla" if g.is_mla(i) else "kda", "dense" if t == "dense" else "moe")
@@ -122,7 +129,7 @@ class ReferenceBackbone:
 
     # Stock operations.
     def embed(self, tokens: Tensor) -> Tensor:
-        return reduce([rank.embed(tokens) for rank in self.model.ranks])
+        return self.model.reduce([rank.embed(tokens) for rank in self.model.ranks])
 
     def expand(self, x: Tensor) -> Tensor:
         return hc_expand_ref(x, self.g.hc_mult)
@@ -156,13 +163,27 @@ class ReferenceBackbone:
         return (rank.dense_mlp if dense else rank.moe)(layer, x)
 
     def reduce(self, partials: Sequence[Tensor]) -> Tensor:
-        return reduce(list(partials))
+        return self.model.reduce(partials)
+
+    def unreduced(self):
+        return nullcontext()  # `attention` / `mlp` return a shard's partial output anyway
+
+    def mailbox(self, hidden: int, max_tokens: int) -> Mailbox | None:
+        group = self.model.group
+        if group is None or torch.distributed.get_world_size(group) == 1:
+            return None
+        if self._mailbox is not None:
+            return self._mailbox(hidden, max_tokens)
+        if self.model.device.type != "cuda":
+            raise ValueError("a model across processes off GPUs exchanges through mailboxes "
+                             "it is given (ReferenceBackbone(model, mailbox=...))")  # fmt: skip
+        return Mailbox.symmetric(hidden, max_tokens, group=group, device=self.model.device)
 
     def head(self, shard: int, x: Tensor) -> Tensor:
         return self.model.ranks[shard].head(x)
 
     def gather(self, slices: Sequence[Tensor]) -> Tensor:
-        return torch.cat(list(slices), dim=-1)
+        return self.model.gather(slices)
 
     def route(self, shard: int, name: str, op) -> None:
         routes = self.model.ranks[shard].routes

@@ -6,6 +6,12 @@ request, a decode of 1 token or a verify of q tokens per request), `accept` a ve
     a = model.add();  h = model.forward([a], prompt[None])          # prefill
     h = model.forward([a], next_token[None, None])                  # decode
     h = model.forward([a], tokens[None], verify=True); model.accept(a, n)   # MTP verify
+
+Tensor parallelism: a model holds the shards of `g.ranks` and sums their TP-partial outputs
+(`reduce`). With `group` (a torch.distributed group of `g.tp_size` processes), each process
+holds one rank, its group rank, and the sums run across the processes (glm5-comm's
+references: every rank's partial summed in FP32 in rank order, rounded once, so every process
+holds what one process holding every shard computes, bit for bit).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
+from glm5_comm.reference import all_reduce_ref, logits_gather_ref
 from glm5_kernels.mhc import hc_expand_ref, hc_head_ref, hc_post_ref, hc_pre_ref
 from glm5_kernels.norm import rms_norm_ref
 
@@ -41,9 +48,13 @@ class ReferenceModel:
         indexer_numerics: str = "vllm",
         ue8m0: bool = False,
         fp8_activations: bool = False,
+        group=None,
     ):
         if len(weights) != len(g.ranks):
             raise ValueError(f"weights: {len(weights)} shards for ranks {g.ranks}")
+        if group is not None:
+            _check_group(g, group)
+        self.group = group
         self.g, self.q, self.device, self.block_size = g, q, torch.device(device), block_size
         self.max_requests, self.max_context = max_requests, max_context
         blocks = math.ceil(max_context / block_size)
@@ -219,7 +230,7 @@ class ReferenceModel:
     def backbone(self, tokens: Tensor, step: Step) -> Tensor:
         """The decoder over a placed step; writes the caches, keeps no Python state."""
         g = self.g
-        x = reduce([rank.embed(tokens) for rank in self.ranks])
+        x = self.reduce([rank.embed(tokens) for rank in self.ranks])
         streams = hc_expand_ref(x.reshape(-1, g.hidden_size), g.hc_mult)
         shape = x.shape
         topk = None
@@ -230,13 +241,13 @@ class ReferenceModel:
                 shared = topk if g.indexer_types[layer] == "shared" else None
                 outs = [rank.mla(layer, h[0].view(shape), step, shared) for rank in self.ranks]
                 topk = outs[0][1]
-                a = reduce([o for o, _ in outs])
+                a = self.reduce([o for o, _ in outs])
             else:
-                a = reduce([rank.kda(layer, h[0].view(shape), step) for rank in self.ranks])
+                a = self.reduce([rank.kda(layer, h[0].view(shape), step) for rank in self.ranks])
             streams = hc_post_ref(a.reshape(-1, g.hidden_size), streams, h[1], h[2])
             h = self._pre(streams, f"{p}.ffn_hc", f"{p}.post_attention_layernorm.weight")
             dense = g.mlp_layer_types[layer] == "dense"
-            m = reduce(
+            m = self.reduce(
                 [
                     (rank.dense_mlp if dense else rank.moe)(layer, h[0].view(shape))
                     for rank in self.ranks
@@ -263,9 +274,25 @@ class ReferenceModel:
         """A replicated weight (every rank holds the same tensor)."""
         return self.ranks[0].w[name]
 
+    def reduce(self, partials: Sequence[Tensor]) -> Tensor:
+        """The TP all-reduce of the held shards' partial outputs (and, with a group, the
+        other processes')."""
+        if self.group is None:
+            return reduce(list(partials))
+        (partial,) = partials
+        return all_reduce_ref(partial, self.group)
+
+    def gather(self, slices: Sequence[Tensor]) -> Tensor:
+        """The logits all-gather of the held shards' vocab slices (with a group, every
+        process's, in rank order)."""
+        if self.group is None:
+            return torch.cat(list(slices), dim=-1)
+        (shard,) = slices
+        return logits_gather_ref(shard, self.group)
+
     def logits(self, hidden: Tensor) -> Tensor:
         """[..., vocab] FP32: the all-gather of each rank's vocab slice."""
-        return torch.cat([rank.head(hidden) for rank in self.ranks], dim=-1)
+        return self.gather([rank.head(hidden) for rank in self.ranks])
 
     # The MTP draft layer (no mHC): enorm/hnorm -> eh_proj -> MLA+MoE block -> head norm.
     def draft_hidden(
@@ -277,16 +304,16 @@ class ReferenceModel:
         position 0, where no earlier hidden state exists (vLLM's fused_eh_norm)."""
         g = self.g
         p = f"layers.{self.mtp_layers[k]}"
-        embedded = reduce([rank.embed(tokens) for rank in self.ranks])
+        embedded = self.reduce([rank.embed(tokens) for rank in self.ranks])
         embedded = embedded * (step.positions != 0)[..., None].to(embedded.dtype)
         e = rms_norm_ref(embedded, self._w(f"{p}.enorm.weight"), g.rms_norm_eps)
         h = rms_norm_ref(hidden, self._w(f"{p}.hnorm.weight"), g.rms_norm_eps)
         x = self.ranks[0].linear(torch.cat([e, h], dim=-1), f"{p}.eh_proj.weight")
         a_in = rms_norm_ref(x, self._w(f"{p}.input_layernorm.weight"), g.rms_norm_eps)
         outs = [rank.mla(self.mtp_layers[k], a_in, step, topk) for rank in self.ranks]
-        x = x + reduce([o for o, _ in outs])
+        x = x + self.reduce([o for o, _ in outs])
         m_in = rms_norm_ref(x, self._w(f"{p}.post_attention_layernorm.weight"), g.rms_norm_eps)
-        x = x + reduce([rank.moe(self.mtp_layers[k], m_in) for rank in self.ranks])
+        x = x + self.reduce([rank.moe(self.mtp_layers[k], m_in) for rank in self.ranks])
         return rms_norm_ref(x, self._w(f"{p}.shared_head.norm.weight"), g.rms_norm_eps), outs[0][1]
 
     def draft(
@@ -329,3 +356,21 @@ class ReferenceModel:
             problems.append(f"tokens: ids outside the vocabulary 0..{self.g.vocab_size - 1}")
         if problems:
             raise ValueError("bad tokens:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _check_group(g: Geometry, group) -> None:
+    """A model across processes: `group` spans g.tp_size processes, this one holding the
+    rank it is in the group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("group: torch.distributed is not initialized")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    problems = []
+    if world != g.tp_size:
+        problems.append(f"a group of {world} processes for tp_size={g.tp_size}")
+    if tuple(g.ranks) != (rank,):
+        problems.append(f"ranks={tuple(g.ranks)} in the process of group rank {rank}: each "
+                        f"process holds its own rank, ranks=({rank},)")  # fmt: skip
+    if problems:
+        raise ValueError("ReferenceModel: " + "; ".join(problems))

@@ -1,0 +1,199 @@
+"""TP ranks in separate processes, on CPU under gloo (2 processes, one rank each).
+
+The reference model across processes (`ReferenceModel(group=...)`) equals the one-process
+simulation holding both shards, bit for bit: every sum is glm5-comm's reference all-reduce
+(FP32 in rank order, one rounding) and the logits its gather.
+
+The specialized decode over it leaves every sublayer's output TP-partial and reduces it in
+the fused boundary (glm5-comm's `AllReduceBoundary`, under the Triton interpreter, the two
+processes' mailboxes in shared memory standing in for symmetric memory's peer pointers):
+planned decode and verify steps stay within the stock BF16 model's own noise of the stock
+step (test_decode's bound), the step's only stock all-reduce is the embedding's, and both
+ranks hold bit-identical hidden states (each sums the same partials in the same order)."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from decode_cases import ALL_STAGES, rel
+
+from glm5_comm import Mailbox
+from glm5_comm.allreduce import SENTINEL
+from glm5_policy import DecodeConfig
+from glm5_runtime.decode import SpecializedDecode
+from glm5_runtime.reference import ReferenceModel, geometry
+from glm5_runtime.reference.backbone import ReferenceBackbone
+from glm5_runtime.reference.weights import random_rank
+
+WORLD, Q, SEED = 2, 2, 7
+SIZES = [1, Q, Q * Q]  # capture sizes: Q (decode) and Q * Q (verify) are planned
+KW = dict(max_requests=Q, max_context=64, block_size=16, q=Q, fp8_activations=True)
+
+
+def _geometry(ranks):
+    """test_decode's four layers (every stage and layer kind) at TP 2, whole FP8 blocks per
+    shard, every expert routed and every pool selected (no routing flips under noise)."""
+    return geometry(
+        "tiny", hidden_size=128, intermediate_size=256, moe_intermediate_size=256,
+        num_hidden_layers=4, tp_size=WORLD, ranks=ranks, num_experts_per_tok=16,
+        index_topk=64,
+        layer_types=("linear_attention",) + ("deepseek_sparse_attention",) * 2
+        + ("linear_attention",),
+        mlp_layer_types=("dense", "sparse", "sparse", "sparse"),
+        indexer_types=("full", "full", "shared", "full"),
+    )  # fmt: skip
+
+
+def _model(rank, dtype=torch.bfloat16, group=None, device="cpu"):
+    """This process's rank of the model (with `group`), or every rank in one process."""
+    g = _geometry((rank,) if group is not None else tuple(range(WORLD)))
+    shards = [dict(random_rank(g, r, SEED, dtype=dtype, device=device)) for r in g.ranks]
+    return ReferenceModel(g, shards, dtype=dtype, group=group, device=device, **KW)
+
+
+def _steps(models, gen, g, run=None):
+    """A prefill (stock), then decode, verify (keep 1), decode, verify (keep 2) on every
+    model alike; yields each step's hidden states, model by model."""
+    requests = list(range(Q))
+    for m in models:
+        assert [m.add() for _ in requests] == requests
+    device = models[0].device
+    prompt = torch.randint(0, g.vocab_size, (Q, 9), generator=gen).to(device)
+    for m in models:
+        m.forward(requests, prompt)
+    for i in range(4):
+        verify = i % 2 == 1
+        tokens = torch.randint(0, g.vocab_size, (Q, Q if verify else 1), generator=gen)
+        tokens = tokens.to(device)
+        out = [
+            m.forward(requests, tokens, verify=verify, run=r)
+            for m, r in zip(models, run, strict=True)
+        ]
+        if verify:
+            for m in models:
+                for r in requests:
+                    m.accept(r, 1 + i // 2)
+        yield out
+
+
+def _stock_worker(rank: int, port: int) -> None:
+    _init(rank, port)
+    try:
+        check_stock(rank, "cpu")
+        dist.barrier()  # neither process tears its group down while the other still uses it
+    finally:
+        dist.destroy_process_group()
+
+
+def check_stock(rank: int, device: str) -> None:
+    """This rank's stock steps across the processes equal one process's holding both."""
+    mine = _model(rank, group=dist.group.WORLD, device=device)
+    whole = _model(rank, device=device)
+    gen = torch.Generator().manual_seed(1)
+    for a, b in _steps([mine, whole], gen, mine.g, run=[None, None]):
+        assert torch.equal(a, b), rel(a, b)
+        assert torch.equal(mine.logits(a), whole.logits(b))
+    for layer in mine.g.kda_layers:  # the rank's caches are the simulation's rank's
+        assert torch.equal(mine.ranks[0].c.recurrent[layer], whole.ranks[rank].c.recurrent[layer])
+
+
+def _fused_worker(rank: int, port: int, buffers: list) -> None:
+    _init(rank, port)
+    try:
+
+        def mailbox(hidden, max_tokens):
+            return Mailbox.of_tensors(buffers, rank, hidden, max_tokens)
+
+        check_fused_boundaries(rank, "cpu", mailbox)
+        assert (buffers[rank][:, 1 - rank] == SENTINEL).all()  # every value received, cleared
+        dist.barrier()  # neither process tears its group down while the other still uses it
+    finally:
+        dist.destroy_process_group()
+
+
+def check_fused_boundaries(rank: int, device: str, mailbox=None) -> None:
+    """This rank's planned steps (partial outputs, fused all-reduce boundaries) against its
+    stock steps, within the stock BF16 model's noise, and bit-equal across the ranks.
+    `mailbox`: the backbone's (default: symmetric memory, on GPUs)."""
+    group = dist.group.WORLD
+    stock, spec = (_model(rank, group=group, device=device) for _ in range(2))
+    fp32 = _model(rank, torch.float32, group=group, device=device)
+    g = spec.g
+    config = DecodeConfig.build(max_context=64, q=Q, capture_sizes=SIZES, policy=ALL_STAGES)
+    decode = SpecializedDecode(ReferenceBackbone(spec, mailbox=mailbox), config)
+    assert decode.prepare() == set()
+    assert decode.exchange is not None and decode.partial(Q) and decode.partial(Q * Q)
+    sums = []
+    spec_reduce = spec.reduce
+    spec.reduce = lambda partials: sums.append(1) or spec_reduce(partials)
+
+    def planned(tokens, step):
+        decision = decode.plan(step, capturing=True)
+        assert decision.step is not None, decision.reason
+        sums.clear()
+        out = decode.run(decision.step, tokens, step)
+        assert len(sums) == 1, len(sums)  # the embedding's; every sublayer's: the boundary
+        return out
+
+    worst, noise = 0.0, 0.0
+    gen = torch.Generator().manual_seed(2)
+    for h_stock, h_spec, h_fp32 in _steps([stock, spec, fp32], gen, g, [None, planned, None]):
+        worst = max(worst, rel(h_spec, h_stock))
+        noise = max(noise, rel(h_stock, h_fp32))
+        peers = [torch.empty_like(h_spec) for _ in range(WORLD)]
+        dist.all_gather(peers, h_spec)
+        assert all(torch.equal(p, h_spec) for p in peers)  # one sum on every rank
+    print(f"rank {rank}: specialized vs stock {worst:.2e}, stock BF16 vs FP32 {noise:.2e}")
+    assert worst <= max(noise, 1e-3), (worst, noise)
+
+
+def _init(rank: int, port: int) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_stock_step_across_processes_equals_one_process():
+    mp.spawn(_stock_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1"
+)
+def test_fused_boundaries_all_reduce_partial_outputs():
+    hidden, max_tokens = _geometry((0,)).hidden_size, Q * Q
+    buffers = [torch.full(Mailbox.shape(WORLD, hidden, max_tokens), SENTINEL, dtype=torch.int16)
+               for _ in range(WORLD)]  # fmt: skip
+    for b in buffers:
+        b.share_memory_()
+    mp.spawn(_fused_worker, args=(_free_port(), buffers), nprocs=WORLD, join=True)
+
+
+def test_a_process_holds_its_own_rank():
+    """A group the geometry does not fit is one error naming each problem."""
+
+    class Group:  # stands in for a 3-process group in which this process is rank 1
+        pass
+
+    g = _geometry((0,))
+    shards = [dict(random_rank(g, 0, SEED))]
+    from unittest import mock
+
+    with (
+        mock.patch.object(dist, "is_initialized", return_value=True),
+        mock.patch.object(dist, "get_world_size", return_value=3),
+        mock.patch.object(dist, "get_rank", return_value=1),
+        pytest.raises(ValueError) as e,
+    ):
+        ReferenceModel(g, shards, group=Group(), **KW)
+    assert "a group of 3 processes for tp_size=2" in str(e.value)
+    assert "ranks=(0,) in the process of group rank 1" in str(e.value)
