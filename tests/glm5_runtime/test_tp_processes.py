@@ -9,7 +9,9 @@ the fused boundary (glm5-comm's `AllReduceBoundary`, under the Triton interprete
 processes' mailboxes in shared memory standing in for symmetric memory's peer pointers):
 planned decode and verify steps stay within the stock BF16 model's own noise of the stock
 step (test_decode's bound), the step's only stock all-reduce is the embedding's, and both
-ranks hold bit-identical hidden states (each sums the same partials in the same order)."""
+ranks hold bit-identical hidden states (each sums the same partials in the same order). The
+logits' vocab shards are gathered through mailboxes too (glm5-comm's `LogitsGather`), bit
+for bit the reference gather of the skinny head's shards."""
 
 import os
 import socket
@@ -20,8 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from decode_cases import ALL_STAGES, rel
 
-from glm5_comm import Mailbox
-from glm5_comm.allreduce import SENTINEL
+from glm5_comm import Mailbox, logits_gather_ref
+from glm5_comm.allreduce import SENTINELS
 from glm5_policy import DecodeConfig
 from glm5_runtime.decode import SpecializedDecode
 from glm5_runtime.reference import ReferenceModel, geometry
@@ -31,6 +33,7 @@ from glm5_runtime.reference.weights import random_rank
 WORLD, Q, SEED = 2, 2, 7
 SIZES = [1, Q, Q * Q]  # capture sizes: Q (decode) and Q * Q (verify) are planned
 KW = dict(max_requests=Q, max_context=64, block_size=16, q=Q, fp8_activations=True)
+POLICY = {**ALL_STAGES, "logits_gather": {"1-64": "nvlink"}}
 
 
 def _geometry(ranks):
@@ -100,15 +103,16 @@ def check_stock(rank: int, device: str) -> None:
         assert torch.equal(mine.ranks[0].c.recurrent[layer], whole.ranks[rank].c.recurrent[layer])
 
 
-def _fused_worker(rank: int, port: int, buffers: list) -> None:
+def _fused_worker(rank: int, port: int, buffers: dict) -> None:
     _init(rank, port)
     try:
 
-        def mailbox(hidden, max_tokens):
-            return Mailbox.of_tensors(buffers, rank, hidden, max_tokens)
+        def mailbox(hidden, max_tokens, dtype):
+            return Mailbox.of_tensors(buffers[dtype], rank, hidden, max_tokens, dtype)
 
         check_fused_boundaries(rank, "cpu", mailbox)
-        assert (buffers[rank][:, 1 - rank] == SENTINEL).all()  # every value received, cleared
+        for dtype, mine in ((d, b[rank]) for d, b in buffers.items()):
+            assert (mine[:, 1 - rank] == SENTINELS[dtype]).all(), dtype  # all read, cleared
         dist.barrier()  # neither process tears its group down while the other still uses it
     finally:
         dist.destroy_process_group()
@@ -122,10 +126,11 @@ def check_fused_boundaries(rank: int, device: str, mailbox=None) -> None:
     stock, spec = (_model(rank, group=group, device=device) for _ in range(2))
     fp32 = _model(rank, torch.float32, group=group, device=device)
     g = spec.g
-    config = DecodeConfig.build(max_context=64, q=Q, capture_sizes=SIZES, policy=ALL_STAGES)
+    config = DecodeConfig.build(max_context=64, q=Q, capture_sizes=SIZES, policy=POLICY)
     decode = SpecializedDecode(ReferenceBackbone(spec, mailbox=mailbox), config)
     assert decode.prepare() == set()
     assert decode.exchange is not None and decode.partial(Q) and decode.partial(Q * Q)
+    assert decode.logits_gather is not None and decode.gather_tokens == {Q, Q * Q}
     sums = []
     spec_reduce = spec.reduce
     spec.reduce = lambda partials: sums.append(1) or spec_reduce(partials)
@@ -146,6 +151,13 @@ def check_fused_boundaries(rank: int, device: str, mailbox=None) -> None:
         peers = [torch.empty_like(h_spec) for _ in range(WORLD)]
         dist.all_gather(peers, h_spec)
         assert all(torch.equal(p, h_spec) for p in peers)  # one sum on every rank
+        gathers = int(decode.logits_gather.mailbox.step)
+        logits = decode.compute_logits(h_spec)
+        assert int(decode.logits_gather.mailbox.step) == gathers + 1  # through the mailboxes
+        x = h_spec.reshape(-1, g.hidden_size)
+        shard = decode.head[x.shape[0]][0](x).float()
+        assert torch.equal(logits.view(x.shape[0], -1), logits_gather_ref(shard, group))
+        assert rel(logits, stock.logits(h_stock)) < 2 * noise + 1e-2
     print(f"rank {rank}: specialized vs stock {worst:.2e}, stock BF16 vs FP32 {noise:.2e}")
     assert worst <= max(noise, 1e-3), (worst, noise)
 
@@ -170,11 +182,14 @@ def test_stock_step_across_processes_equals_one_process():
     os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1"
 )
 def test_fused_boundaries_all_reduce_partial_outputs():
-    hidden, max_tokens = _geometry((0,)).hidden_size, Q * Q
-    buffers = [torch.full(Mailbox.shape(WORLD, hidden, max_tokens), SENTINEL, dtype=torch.int16)
-               for _ in range(WORLD)]  # fmt: skip
-    for b in buffers:
-        b.share_memory_()
+    g, max_tokens = _geometry((0,)), Q * Q
+    # The boundaries' BF16 rows and the logits' FP32 vocab shards, each rank's mailbox.
+    widths = {torch.int16: g.hidden_size, torch.int32: g.vocab_size // WORLD}
+    buffers = {
+        dtype: [torch.full(Mailbox.shape(WORLD, width, max_tokens), SENTINELS[dtype],
+                           dtype=dtype).share_memory_() for _ in range(WORLD)]
+        for dtype, width in widths.items()
+    }  # fmt: skip
     mp.spawn(_fused_worker, args=(_free_port(), buffers), nprocs=WORLD, join=True)
 
 

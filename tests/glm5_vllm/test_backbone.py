@@ -223,7 +223,11 @@ def test_unreduced_leaves_every_sublayer_output_tp_partial(built, monkeypatch):
                 assert torch.equal(b.mlp(0, i, x), want), i
             assert torch.equal(b.mlp(0, i, x), 2 * want), i
             b.route(0, f"layers.{i}.mlp", None)
-    # An MoE kernel that reduces inside cannot leave its output to a boundary: no mailbox.
+    # TP 2: vLLM's all-reduce until the fused one is asked for (not yet run on GPUs); an MoE
+    # kernel that reduces inside cannot leave its output to a boundary.
+    monkeypatch.delenv("GLM5_FUSED_ALL_REDUCE", raising=False)
+    assert b.mailbox(b.hidden_size, 8) is None
+    monkeypatch.setenv("GLM5_FUSED_ALL_REDUCE", "1")
     runner = type(layers[moe].mlp.experts)
     monkeypatch.setattr(runner, "_fused_output_is_reduced", True)
     with pytest.raises(ValueError, match=f"layer {moe}: its MoE kernel all-reduces inside"):

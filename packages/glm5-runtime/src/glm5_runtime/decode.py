@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from glm5_comm import AllReduceBoundary
+from glm5_comm import AllReduceBoundary, LogitsGather
 from glm5_kernels.dsa import IndexerTopk, KpoolWrite, SparseMlaDecode
 from glm5_kernels.gemm import DenseMlp, Projection, Router, SharedExpert
 from glm5_kernels.kda import KdaDecode
@@ -358,12 +358,32 @@ class SpecializedDecode(LayerStages):
             self.head = {b: ops for b in tokens}
 
         self._build("logits_head", heads, choice="skinny")
+        # The logits all-gather through mailboxes, where the vocab shards live in other
+        # processes (seam 6); a process holding every shard concatenates them.
+        self.logits_gather: LogitsGather | None = None
+        self.gather_tokens: frozenset[int] = frozenset()
+        self._build("logits_gather", self._logits_gather, choice="nvlink")
         # The mHC boundaries: one kernel object for all of them, their weights per site.
         self.mhc: MhcBoundary | None = None
         self.exchange: AllReduceBoundary | None = None  # `mhc` all-reducing partial outputs
         self.mhc_tokens: frozenset[int] = frozenset()
         self._sites: dict[tuple[int, str], tuple[Tensor, ...]] = {}
         self._build("boundary", self._boundaries)
+
+    def _logits_gather(self, tokens: list[int]) -> None:
+        b = self.backbone
+        head = b.weight(b.shards[0], "lm_head.weight")
+        if head is None:
+            raise ValueError("no lm_head.weight")
+        mailbox = b.mailbox(head.shape[0], max(tokens), torch.int32)  # FP32 rows' bits
+        if mailbox is None:
+            return
+        if len(b.shards) != 1:
+            raise ValueError(f"shards {list(b.shards)} in a process of a TP group: the "
+                             "gather moves one vocab shard a process")  # fmt: skip
+        op = LogitsGather(mailbox)
+        self._add(op, tokens, None, None)  # not a route: compute_logits calls it
+        self.logits_gather, self.gather_tokens = op, frozenset(tokens)
 
     def _boundaries(self, tokens: list[int]) -> None:
         b = self.backbone
@@ -407,6 +427,8 @@ class SpecializedDecode(LayerStages):
             self.head = {}
         if "boundary" in failed:
             self.mhc, self.exchange = None, None
+        if "logits_gather" in failed:
+            self.logits_gather, self.gather_tokens = None, frozenset()
         return failed
 
     def partial(self, tokens: int) -> bool:
@@ -493,10 +515,18 @@ class SpecializedDecode(LayerStages):
         return rows in self.head and hidden.dtype == torch.bfloat16
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """[..., vocab] FP32 logits: the skinny LM head where the policy picks it."""
+        """[..., vocab] FP32 logits: the skinny LM head and the mailbox gather where the
+        policy picks them."""
         b = self.backbone
-        if not self.serves_logits(hidden):
-            return b.gather([b.head(s, hidden) for s in b.shards])
-        x = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-        heads = self.head[x.shape[0]]
-        return b.gather([h(x).float() for h in heads]).view(*hidden.shape[:-1], -1)
+        x = hidden.reshape(-1, hidden.shape[-1])
+        if self.serves_logits(hidden):
+            x = x.contiguous()
+            shards = [h(x).float() for h in self.head[x.shape[0]]]
+        else:
+            shards = [b.head(s, x) for s in b.shards]
+        if self.logits_gather is not None and x.shape[0] in self.gather_tokens:
+            (shard,) = shards
+            full = self.logits_gather(shard.contiguous())[:, : b.vocab_size]  # padding off
+        else:
+            full = b.gather(shards)
+        return full.view(*hidden.shape[:-1], -1)

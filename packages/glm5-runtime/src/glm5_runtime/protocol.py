@@ -21,6 +21,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
 
 from glm5_kernels.mhc import MhcConfig
@@ -120,6 +121,7 @@ class Backbone(Protocol):
     layers: Sequence[Layer]
     shards: Sequence[int]
     hidden_size: int
+    vocab_size: int  # the logits' columns (a shard's head may hold padding past them)
     swiglu_limit: float
     ue8m0: bool  # FP8 activation scales rounded to powers of two (DeepGEMM's E8M0 mode)
     # The MoE layers' routing where it is GLM's (`Routing`), None where the backbone routes
@@ -209,10 +211,14 @@ class Backbone(Protocol):
         all-reduced across processes (vLLM: its row-parallel layers' and MoE blocks'
         all-reduce off); the runtime enters it only where `mailbox` gave a mailbox."""
 
-    def mailbox(self, hidden: int, max_tokens: int) -> Mailbox | None:
-        """This process's mailbox over the processes holding the TP ranks (glm5-comm's; every
-        process asks alike, before CUDA-graph capture): the fused boundaries all-reduce
-        through it. None where this process holds every shard (nothing to exchange)."""
+    def mailbox(
+        self, hidden: int, max_tokens: int, dtype: torch.dtype = torch.int16
+    ) -> Mailbox | None:
+        """This process's mailbox over the processes holding the TP ranks (glm5-comm's: rows
+        of `hidden` values, their bits as `dtype`, int16 for BF16 rows by default, int32 for
+        FP32; every process asks alike, before CUDA-graph capture): the fused boundaries
+        all-reduce and the logits gather through such. None where this process holds every
+        shard (nothing to exchange)."""
 
     def head(self, shard: int, x: Tensor) -> Tensor:
         """Shard's vocab slice of the logits, FP32."""

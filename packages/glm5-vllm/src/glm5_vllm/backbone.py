@@ -27,6 +27,7 @@ sparse MLA route (`layers.{i}.self_attn.dsa_attn`) the MLA attention's decode co
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ FUSED = {
     "up_proj": ("gate_up_proj", 1),
 }
 BLOCK = 128  # FP8 block-scale granularity
+FUSED_ALL_REDUCE = "GLM5_FUSED_ALL_REDUCE"  # "1": the boundaries all-reduce (TP > 1)
 # The MoE stage's names for a FusedMoE's stacked expert tensors (w13 = [gate; up] per expert).
 EXPERT_TENSORS = {
     "gate_up_proj": "w13_weight",
@@ -96,7 +98,7 @@ class VllmBackbone:
         config = model.config
         self.config = config
         self.shards = (get_tensor_model_parallel_rank(),)
-        self.hidden_size = config.hidden_size
+        self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
         self.swiglu_limit = float(config.swiglu_limit)
         self.ue8m0 = _ue8m0_activations()
         self.aux_layers, self.layers, self.draft_layers = self._layer_lists()
@@ -296,13 +298,17 @@ class VllmBackbone:
             for (holder, name, _), value in zip(flags, saved, strict=True):
                 setattr(holder, name, value)
 
-    def mailbox(self, hidden: int, max_tokens: int):
-        """A mailbox on torch symmetric memory over vLLM's TP group; None at TP 1. Refused
-        (an error: the boundary stage then runs stock) where a sublayer's all-reduce cannot
-        be left to it: an MoE kernel that reduces inside, sequence-parallel MoE."""
+    def mailbox(self, hidden: int, max_tokens: int, dtype=torch.int16):
+        """A mailbox on torch symmetric memory over vLLM's TP group; None at TP 1, and unless
+        GLM5_FUSED_ALL_REDUCE=1: the fused all-reduce has not run on GPUs yet, so vLLM's
+        all-reduce stays the default until it has. Refused (an error: the boundary stage
+        then runs stock) where a sublayer's all-reduce cannot be left to it: an MoE kernel
+        that reduces inside, sequence-parallel MoE."""
         from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
 
         if get_tensor_model_parallel_world_size() == 1:
+            return None
+        if os.environ.get(FUSED_ALL_REDUCE) != "1":
             return None
         problems = []
         for i, layer in enumerate(self.decoder.layers):
@@ -318,7 +324,7 @@ class VllmBackbone:
         from glm5_comm import Mailbox
 
         group = get_tp_group().device_group
-        return Mailbox.symmetric(hidden, max_tokens, group=group)
+        return Mailbox.symmetric(hidden, max_tokens, group=group, dtype=dtype)
 
     def head(self, shard: int, x: Tensor) -> Tensor:
         head = self.model.lm_head
@@ -331,7 +337,7 @@ class VllmBackbone:
         (logits,) = slices
         if get_tensor_model_parallel_world_size() > 1:
             logits = all_gather(logits)
-        return logits[..., : self.config.vocab_size]  # vocab padding off
+        return logits[..., : self.vocab_size]  # vocab padding off
 
     def draft_input(self, k, tokens, hidden, placement, embeds=None) -> Tensor:
         raise RuntimeError("glm5-vllm: the target model has no MTP layers (VllmDraftBackbone)")
@@ -440,7 +446,7 @@ class VllmDraftBackbone(VllmBackbone):
         keep = (placement.positions != 0)[..., None].to(embeds.dtype)
         return torch.cat([layer.enorm(embeds * keep), layer.hnorm(hidden)], dim=-1)
 
-    def mailbox(self, hidden: int, max_tokens: int):
+    def mailbox(self, hidden: int, max_tokens: int, dtype=torch.int16):
         return None  # the MTP layers have no mHC boundaries to fuse an all-reduce into
 
     def attention(self, shard: int, layer: int, x: Tensor, placement: VllmStep) -> Tensor:

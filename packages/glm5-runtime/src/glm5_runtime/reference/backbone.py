@@ -37,9 +37,9 @@ class ReferenceBackbone:
         "in_proj_qkvbfg_a": ("q_proj", "k_proj", "v_proj"),
     })  # fmt: skip
 
-    def __init__(self, model: ReferenceModel, mailbox: Callable[[int, int], Mailbox] | None = None):
-        """`mailbox(hidden, max_tokens)`: this process's mailbox over the model's group
-        (default: torch symmetric memory, on GPUs)."""
+    def __init__(self, model: ReferenceModel, mailbox: Callable[..., Mailbox] | None = None):
+        """`mailbox(hidden, max_tokens, dtype)`: this process's mailbox over the model's
+        group (default: torch symmetric memory, on GPUs)."""
         g = model.g
         self._mailbox = mailbox
         self.model, self.g = model, g
@@ -49,6 +49,7 @@ class ReferenceBackbone:
         ]
         self.shards = list(range(len(model.ranks)))
         self.hidden_size, self.swiglu_limit = g.hidden_size, g.swiglu_limit
+        self.vocab_size = g.vocab_size
         self.ue8m0 = model.ranks[0].ue8m0
         self.routing = Routing(g.num_experts_per_tok, g.routed_scaling_factor)
         self.kda = Kda(g.linear_lower_bound, g.rms_norm_eps)  # RankStages.kda routes `.kda`
@@ -168,16 +169,16 @@ class ReferenceBackbone:
     def unreduced(self):
         return nullcontext()  # `attention` / `mlp` return a shard's partial output anyway
 
-    def mailbox(self, hidden: int, max_tokens: int) -> Mailbox | None:
+    def mailbox(self, hidden: int, max_tokens: int, dtype=torch.int16) -> Mailbox | None:
         group = self.model.group
         if group is None or torch.distributed.get_world_size(group) == 1:
             return None
         if self._mailbox is not None:
-            return self._mailbox(hidden, max_tokens)
+            return self._mailbox(hidden, max_tokens, dtype)
         if self.model.device.type != "cuda":
             raise ValueError("a model across processes off GPUs exchanges through mailboxes "
                              "it is given (ReferenceBackbone(model, mailbox=...))")  # fmt: skip
-        return Mailbox.symmetric(hidden, max_tokens, group=group, device=self.model.device)
+        return Mailbox.symmetric(hidden, max_tokens, group, self.model.device, dtype)
 
     def head(self, shard: int, x: Tensor) -> Tensor:
         return self.model.ranks[shard].head(x)
