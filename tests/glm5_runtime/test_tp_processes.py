@@ -57,9 +57,10 @@ def _model(rank, dtype=torch.bfloat16, group=None, device="cpu"):
     return ReferenceModel(g, shards, dtype=dtype, group=group, device=device, **KW)
 
 
-def _steps(models, gen, g, run=None):
+def _steps(models, gen, g, run):
     """A prefill (stock), then decode, verify (keep 1), decode, verify (keep 2) on every
-    model alike; yields each step's hidden states, model by model."""
+    model alike, each model's steps through its `run` (None: stock); yields each step's
+    hidden states, model by model."""
     requests = list(range(Q))
     for m in models:
         assert [m.add() for _ in requests] == requests
