@@ -334,10 +334,9 @@ class LayerStages:
 
     def _sublayer(self, x: Tensor, shard_output: Callable[[int], Tensor]) -> Tensor:
         b = self.backbone
-        if self.partial(x.numel() // x.shape[-1]):
+        if self.partial(x.numel() // x.shape[-1]):  # `run` holds the backbone unreduced
             (shard,) = b.shards  # `_boundaries` exchanges only one shard a process
-            with b.unreduced():
-                return shard_output(shard)
+            return shard_output(shard)
         return b.reduce([shard_output(s) for s in b.shards])
 
 
@@ -451,6 +450,9 @@ class SpecializedDecode(LayerStages):
         b = self.backbone
         with self.installed(step.tokens):
             x = b.embed(tokens) if embeds is None else embeds
+            if self.partial(step.tokens):  # the backbone's all-reduces off once a step
+                with b.unreduced():
+                    return self._fused_boundaries(x, placement)
             if self.mhc is not None and step.tokens in self.mhc_tokens:
                 return self._fused_boundaries(x, placement)
             shape = x.shape
