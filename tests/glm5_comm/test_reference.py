@@ -5,13 +5,9 @@ above an unfinalized MoE partial, the last layer's head, the MTP layer's add + n
 vocab-parallel embedding's enorm / hnorm and the logits gather. Without a process group
 each is the plain math (world size 1)."""
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import spawn_gloo
 
 from glm5_comm import (
     all_reduce_boundary_ref,
@@ -104,25 +100,9 @@ def _check(rank: int, world: int) -> None:
     same(logits_gather_ref(x["logits"][rank]), torch.cat(x["logits"], dim=-1))
 
 
-def _worker(rank: int, world: int, port: int) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        _check(rank, world)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_references_under_gloo_equal_the_single_process_math(world):
-    mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
+    spawn_gloo(_check, world, world)
 
 
 def test_world_size_one_is_the_plain_math():

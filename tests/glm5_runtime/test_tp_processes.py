@@ -14,13 +14,12 @@ logits' vocab shards are gathered through mailboxes too (glm5-comm's `LogitsGath
 for bit the reference gather of the skinny head's shards."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from decode_cases import ALL_STAGES, rel
+from gloo_ranks import spawn_gloo
 
 from glm5_comm import Mailbox, logits_gather_ref
 from glm5_comm.allreduce import SENTINELS
@@ -83,15 +82,6 @@ def _steps(models, gen, g, run):
         yield out
 
 
-def _stock_worker(rank: int, port: int) -> None:
-    _init(rank, port)
-    try:
-        check_stock(rank, "cpu")
-        dist.barrier()  # neither process tears its group down while the other still uses it
-    finally:
-        dist.destroy_process_group()
-
-
 def check_stock(rank: int, device: str) -> None:
     """This rank's stock steps across the processes equal one process's holding both."""
     mine = _model(rank, group=dist.group.WORLD, device=device)
@@ -104,19 +94,13 @@ def check_stock(rank: int, device: str) -> None:
         assert torch.equal(mine.ranks[0].c.recurrent[layer], whole.ranks[rank].c.recurrent[layer])
 
 
-def _fused_worker(rank: int, port: int, buffers: dict) -> None:
-    _init(rank, port)
-    try:
+def _check_fused_on_cpu(rank: int, buffers: dict) -> None:
+    def mailbox(hidden, max_tokens, dtype):
+        return Mailbox.of_tensors(buffers[dtype], rank, hidden, max_tokens, dtype)
 
-        def mailbox(hidden, max_tokens, dtype):
-            return Mailbox.of_tensors(buffers[dtype], rank, hidden, max_tokens, dtype)
-
-        check_fused_boundaries(rank, "cpu", mailbox)
-        for dtype, mine in ((d, b[rank]) for d, b in buffers.items()):
-            assert (mine[:, 1 - rank] == SENTINELS[dtype]).all(), dtype  # all read, cleared
-        dist.barrier()  # neither process tears its group down while the other still uses it
-    finally:
-        dist.destroy_process_group()
+    check_fused_boundaries(rank, "cpu", mailbox)
+    for dtype, mine in ((d, b[rank]) for d, b in buffers.items()):
+        assert (mine[:, 1 - rank] == SENTINELS[dtype]).all(), dtype  # all read, cleared
 
 
 def check_fused_boundaries(rank: int, device: str, mailbox=None) -> None:
@@ -163,20 +147,8 @@ def check_fused_boundaries(rank: int, device: str, mailbox=None) -> None:
     assert worst <= max(noise, 1e-3), (worst, noise)
 
 
-def _init(rank: int, port: int) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_stock_step_across_processes_equals_one_process():
-    mp.spawn(_stock_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    spawn_gloo(check_stock, WORLD, "cpu")
 
 
 @pytest.mark.skipif(
@@ -191,7 +163,7 @@ def test_fused_boundaries_all_reduce_partial_outputs():
                            dtype=dtype).share_memory_() for _ in range(WORLD)]
         for dtype, width in widths.items()
     }  # fmt: skip
-    mp.spawn(_fused_worker, args=(_free_port(), buffers), nprocs=WORLD, join=True)
+    spawn_gloo(_check_fused_on_cpu, WORLD, buffers)
 
 
 def test_a_process_holds_its_own_rank():
