@@ -21,19 +21,18 @@ from compile_cases import _compile
 from glm5_comm.triton_exchange import one_shot_all_reduce_kernel as kernel
 
 arch = {arch}
-types = {{"x_ptr": "*bf16", "out_ptr": "*bf16", "peers_ptr": "*i64", "step_ptr": "*i32",
-         "arrive_ptr": "*i32"}}
+types = {{"x_ptr": "*bf16", "out_ptr": "*bf16", "peers_ptr": "*i64", "state_ptr": "*i32"}}
 types |= {{n: "i32" for n in ("M", "D", "stride_x", "stride_out", "slot_elems", "rank")}}
 n = 0
 for world, bm in ((2, 1), (4, 16), (8, 8)):
     consts = {{"WORLD": world, "BM": bm, "BD": 512, "INTERPRETER": False, "PDL": True}}
     ptx = _compile(kernel, types, consts, arch, num_warps=4)
-    for needed in ("ld.volatile", "atom", "griddepcontrol.wait"):
+    for needed in ("ld.volatile", "atom", "cas.b32", "griddepcontrol.wait"):
         assert needed in ptx, (world, needed)
     n += 1
 from glm5_comm.triton_exchange import all_reduce_norm_kernel as norm
 types = {{n: "*bf16" for n in ("x_ptr", "res_ptr", "res_out_ptr", "normed_ptr", "w_ptr")}}
-types |= {{"peers_ptr": "*i64", "step_ptr": "*i32", "arrive_ptr": "*i32", "eps": "fp32"}}
+types |= {{"peers_ptr": "*i64", "state_ptr": "*i32", "eps": "fp32"}}
 types |= {{n: "i32" for n in ("M", "D", "stride_x", "stride_res", "stride_res_out",
                               "stride_normed", "slot_elems", "rank")}}
 for world in (1, 2, 8):
@@ -44,8 +43,7 @@ for world in (1, 2, 8):
     n += 1
 from glm5_comm.triton_exchange import embed_norm_kernel as embed
 types = {{n: "*bf16" for n in ("x_ptr", "hidden_ptr", "out_ptr", "ew_ptr", "hw_ptr")}}
-types |= {{"pos_ptr": "*i64", "peers_ptr": "*i64", "step_ptr": "*i32", "arrive_ptr": "*i32",
-          "eps": "fp32"}}
+types |= {{"pos_ptr": "*i64", "peers_ptr": "*i64", "state_ptr": "*i32", "eps": "fp32"}}
 types |= {{n: "i32" for n in ("M", "D", "stride_x", "stride_h", "stride_out", "slot_elems",
                               "rank")}}
 for world in (1, 2):
@@ -55,13 +53,12 @@ for world in (1, 2):
     n += 1
 
 from glm5_comm.triton_exchange import logits_gather_kernel as gather
-types = {{"x_ptr": "*fp32", "out_ptr": "*fp32", "peers_ptr": "*i64", "step_ptr": "*i32",
-         "arrive_ptr": "*i32"}}
+types = {{"x_ptr": "*fp32", "out_ptr": "*fp32", "peers_ptr": "*i64", "state_ptr": "*i32"}}
 types |= {{n: "i32" for n in ("M", "S", "stride_x", "stride_out", "slot_elems", "rank")}}
 for world in (2, 8):
     consts = {{"WORLD": world, "BM": 16, "BS": 1024, "PDL": True}}
     ptx = _compile(gather, types, consts, arch, num_warps=4)
-    for needed in ("ld.volatile", "atom", "griddepcontrol.wait"):
+    for needed in ("ld.volatile", "atom", "cas.b32", "griddepcontrol.wait"):
         assert needed in ptx, (world, needed)
     n += 1
 print(f"sm{{arch}}: compiled {{n}} exchange kernels")

@@ -148,8 +148,13 @@ def mhc_cases(arch: int) -> int:
     types |= {n: "*fp32" for n in ("post_out_ptr", "comb_out_ptr", "part_ptr", "sum_ptr")}
     types |= {"bar_ptr": "*i32", "T": "i32", "D": "i32", "max_tokens": "i32"}
     types |= {n: "fp32" for n in ("rms_eps", "hc_eps", "norm_eps", "post_mult")}
-    types |= {"xr_ptr": "*bf16", "peers_ptr": "*i64", "xstep_ptr": "*i32", "xarrive_ptr": "*i32",
-              "rank": "i32", "slot_elems": "i32"}  # fmt: skip
+    types |= {
+        "xr_ptr": "*bf16",
+        "peers_ptr": "*i64",
+        "xstate_ptr": "*i32",
+        "rank": "i32",
+        "slot_elems": "i32",
+    }
     n = 0
     # Every mode and the one-launch form at one token; the post at 8 and 64 tokens (other
     # tiles), there also as the two phases; the post and the head with the all-reduce in
@@ -165,9 +170,9 @@ def mhc_cases(arch: int) -> int:
                       "HEAD": head, "SINKHORN": 20, "PHASE": phase, "INTERPRETER": False,
                       "PDL": True, "WORLD": world}  # fmt: skip
         if world == 1:  # the op passes a BF16 output as every unused mailbox pointer
-            types |= {n: "*bf16" for n in ("peers_ptr", "xstep_ptr", "xarrive_ptr")}
+            types |= {n: "*bf16" for n in ("peers_ptr", "xstate_ptr")}
         else:
-            types |= {"peers_ptr": "*i64", "xstep_ptr": "*i32", "xarrive_ptr": "*i32"}
+            types |= {"peers_ptr": "*i64", "xstate_ptr": "*i32"}
         ptx = _compile(hc_boundary_kernel, types, constexprs, arch, num_warps=p.warps,
                        enable_fp_fusion=False)  # fmt: skip
         if phase == 0:  # the wait: acquire / release atomics, and PDL

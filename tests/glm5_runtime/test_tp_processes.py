@@ -21,7 +21,7 @@ import torch.distributed as dist
 from decode_cases import ALL_STAGES, rel
 from gloo_ranks import spawn_gloo
 
-from glm5_comm import Mailbox, logits_gather_ref
+from glm5_comm import ExchangeTimeout, Mailbox, logits_gather_ref
 from glm5_comm.allreduce import SENTINELS
 from glm5_policy import DecodeConfig
 from glm5_runtime.decode import SpecializedDecode
@@ -98,15 +98,20 @@ def _check_fused_on_cpu(rank: int, buffers: dict) -> None:
     def mailbox(hidden, max_tokens, dtype):
         return Mailbox.of_tensors(buffers[dtype], rank, hidden, max_tokens, dtype)
 
-    check_fused_boundaries(rank, "cpu", mailbox)
-    for dtype, mine in ((d, b[rank]) for d, b in buffers.items()):
-        assert (mine[:, 1 - rank] == SENTINELS[dtype]).all(), dtype  # all read, cleared
+    def all_read():
+        for dtype, mine in ((d, b[rank]) for d, b in buffers.items()):
+            assert (mine[:, 1 - rank] == SENTINELS[dtype]).all(), dtype  # all read, cleared
+
+    check_fused_boundaries(rank, "cpu", mailbox, all_read)
 
 
-def check_fused_boundaries(rank: int, device: str, mailbox=None) -> None:
+def check_fused_boundaries(rank: int, device: str, mailbox=None, all_read=None) -> None:
     """This rank's planned steps (partial outputs, fused all-reduce boundaries) against its
-    stock steps, within the stock BF16 model's noise, and bit-equal across the ranks.
-    `mailbox`: the backbone's (default: symmetric memory, on GPUs)."""
+    stock steps, within the stock BF16 model's noise, and bit-equal across the ranks. Then
+    (after `all_read()`, a check of the mailboxes) rank 1 a step ahead of rank 0: each
+    rank's exchange waits its poll budget for the other in vain, the step is NaN, and the
+    next logits raise `ExchangeTimeout` naming the peer. `mailbox`: the backbone's
+    (default: symmetric memory, on GPUs)."""
     group = dist.group.WORLD
     stock, spec = (_model(rank, group=group, device=device) for _ in range(2))
     fp32 = _model(rank, torch.float32, group=group, device=device)
@@ -145,6 +150,16 @@ def check_fused_boundaries(rank: int, device: str, mailbox=None) -> None:
         assert rel(logits, stock.logits(h_stock)) < 2 * noise + 1e-2
     print(f"rank {rank}: specialized vs stock {worst:.2e}, stock BF16 vs FP32 {noise:.2e}")
     assert worst <= max(noise, 1e-3), (worst, noise)
+    if all_read is not None:
+        all_read()
+    decode.exchange.mailbox.polls.fill_(4)
+    if rank == 1:
+        decode.exchange.mailbox.step.add_(1)  # out of step: pushes into the next slot
+    tokens = torch.randint(0, g.vocab_size, (Q, 1), generator=gen).to(device)
+    h = spec.forward(list(range(Q)), tokens, run=planned)
+    assert h.isnan().all(), rank  # every boundary after the first waits in vain
+    with pytest.raises(ExchangeTimeout, match=f"rank {rank}: rank {1 - rank}'s values never"):
+        decode.compute_logits(h)
 
 
 def test_stock_step_across_processes_equals_one_process():

@@ -6,7 +6,7 @@ torch.distributed reference and a world-size-1 path. Today: the references
 + residual + RMSNorm (`AllReduceNorm`), the MTP eh_proj input (`EmbedNorm`) and the logits
 gather (`LogitsGather`) — CPU-checked under the Triton interpreter, not yet run on GPUs."""
 
-from glm5_comm.allreduce import AllReduce, Mailbox
+from glm5_comm.allreduce import AllReduce, ExchangeTimeout, Mailbox, MailboxWatch
 from glm5_comm.boundary import AllReduceBoundary
 from glm5_comm.gather import LogitsGather
 from glm5_comm.norm import AllReduceNorm, EmbedNorm
@@ -27,8 +27,10 @@ __all__ = [
     "AllReduceBoundary",
     "AllReduceNorm",
     "EmbedNorm",
+    "ExchangeTimeout",
     "LogitsGather",
     "Mailbox",
+    "MailboxWatch",
     "all_reduce_boundary_ref",
     "all_reduce_head_ref",
     "all_reduce_norm_ref",

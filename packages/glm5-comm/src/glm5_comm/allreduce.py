@@ -7,11 +7,16 @@ rounded once — bit-equal to `all_reduce_ref` on every rank.
     y = reduce(x)  # x [M, hidden] BF16, M <= max_tokens; capturable
 
 `Mailbox` holds this rank's view of every rank's buffer (3 slots x world x max_tokens *
-hidden BF16 bits, the sentinel until written), its step and arrival counters. On GPUs the
-buffers are torch symmetric memory, read and written through peer pointers (no multicast);
-`Mailbox.of_tensors` takes buffers another way made visible to every rank (shared CPU
-memory under the Triton interpreter, in the tests). World size 1 is the identity: no
-exchange, no launch.
+hidden BF16 bits, the sentinel until written) and its state words: the step, the arrival
+counter, the failure code and the poll budget. On GPUs the buffers are torch symmetric
+memory, read and written through peer pointers (no multicast); `Mailbox.of_tensors` takes
+buffers another way made visible to every rank (shared CPU memory under the Triton
+interpreter, in the tests). World size 1 is the identity: no exchange, no launch.
+
+A peer that never arrives (its process died, or it is out of step) does not hang the GPU:
+a rank waits at most the poll budget for each tile, then hands the missing values on as
+NaN and marks its mailbox failed; every later exchange on it is NaN at once, and
+`Mailbox.check()` raises `ExchangeTimeout` naming the rank, the peer and the step.
 """
 
 from __future__ import annotations
@@ -25,28 +30,80 @@ from torch import Tensor
 from glm5_kernels.exchange import SENTINEL, SENTINEL32
 from glm5_kernels.gemm.linear import _capturing, _interpreting, _pdl
 
-__all__ = ["SENTINEL", "SENTINEL32", "AllReduce", "Mailbox", "TiledExchange"]
+__all__ = [
+    "SENTINEL",
+    "SENTINEL32",
+    "AllReduce",
+    "ExchangeTimeout",
+    "Mailbox",
+    "MailboxWatch",
+    "TiledExchange",
+]
 
 SENTINELS = {torch.int16: SENTINEL, torch.int32: SENTINEL32}  # a value not yet written
+
+# A tile's wait for a peer, in polls of the mailbox (a volatile load of the tile each):
+# seconds on a GPU (an estimate at ~0.5 us a poll, not yet timed there), beyond any launch
+# skew between the ranks, so that only a peer that is gone or out of step trips it.
+POLL_BUDGET = 1 << 24
+
+
+class ExchangeTimeout(RuntimeError):
+    """A peer's values never arrived in this rank's mailbox within the poll budget: its
+    process is gone or out of step. The exchange's outputs since are NaN."""
 
 
 @dataclass
 class Mailbox:
     """This rank's handle on the ranks' mailboxes: `peers` [world] int64, every rank's buffer
-    address in this process; `step` / `arrive` [1] int32, this rank's counters (the step
-    picks the slot; every rank steps alike); `dtype`: the values' bits, int16 for BF16 rows
-    (the all-reduces), int32 for FP32 rows (the logits gather). `buffers`: what keeps the
-    memory alive."""
+    address in this process; `state` [4] int32, this rank's words: the step (it picks the
+    slot; every rank steps alike), the call's CTA arrivals, the failure code (0, or the
+    first timed-out wait's 1 + peer + world * step) and the poll budget; `dtype`: the values'
+    bits, int16 for BF16 rows (the all-reduces), int32 for FP32 rows (the logits gather).
+    `buffers`: what keeps the memory alive."""
 
     rank: int
     world: int
     hidden: int
     max_tokens: int
     peers: Tensor
-    step: Tensor
-    arrive: Tensor
+    state: Tensor
     buffers: list = field(default_factory=list, repr=False)
     dtype: torch.dtype = torch.int16
+
+    @staticmethod
+    def new_state(device, polls: int = POLL_BUDGET) -> Tensor:
+        return torch.tensor([0, 0, 0, polls], dtype=torch.int32, device=device)
+
+    @property
+    def step(self) -> Tensor:
+        return self.state[0:1]
+
+    @property
+    def arrive(self) -> Tensor:
+        return self.state[1:2]
+
+    @property
+    def failed(self) -> Tensor:
+        """[1] int32 on the device: 0, or the first timed-out wait's code."""
+        return self.state[2:3]
+
+    @property
+    def polls(self) -> Tensor:
+        """[1] int32 on the device: a tile's poll budget (set it before capture)."""
+        return self.state[3:4]
+
+    def check(self, code: int | None = None) -> None:
+        """Raise `ExchangeTimeout` if a wait on this mailbox timed out (`code`: the failure
+        word, read already; default: read it, a device sync)."""
+        code = int(self.failed) if code is None else int(code)
+        if code:
+            peer, step = (code - 1) % self.world, (code - 1) // self.world
+            raise ExchangeTimeout(
+                f"rank {self.rank}: rank {peer}'s values never arrived in this rank's "
+                f"{self.dtype} mailbox at exchange step {step} (waited {int(self.polls)} "
+                "polls a tile): that process is gone or out of step. Every exchange on "
+                "this mailbox since gave NaN; a new one is needed.")  # fmt: skip
 
     @staticmethod
     def shape(world: int, hidden: int, max_tokens: int) -> tuple[int, int, int]:
@@ -70,9 +127,8 @@ class Mailbox:
             raise ValueError("Mailbox: " + "; ".join(problems))
         device = buffers[rank].device
         peers = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=device)
-        counters = torch.zeros(2, dtype=torch.int32, device=device)
-        return cls(rank, world, hidden, max_tokens, peers, counters[:1], counters[1:],
-                   list(buffers), dtype)  # fmt: skip
+        return cls(rank, world, hidden, max_tokens, peers, cls.new_state(device), list(buffers),
+                   dtype)  # fmt: skip
 
     @classmethod
     def symmetric(cls, hidden: int, max_tokens: int, group=None, device=None,
@@ -89,11 +145,32 @@ class Mailbox:
         buffer.fill_(SENTINELS[dtype])
         handle = symm_mem.rendezvous(buffer, group.group_name)
         peers = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
-        counters = torch.zeros(2, dtype=torch.int32, device=device)
+        state = cls.new_state(device)
         torch.cuda.synchronize(device)
         dist.barrier(group)
-        return cls(rank, world, hidden, max_tokens, peers, counters[:1], counters[1:],
-                   [buffer, handle], dtype)  # fmt: skip
+        return cls(rank, world, hidden, max_tokens, peers, state, [buffer, handle], dtype)
+
+
+class MailboxWatch:
+    """Mailboxes' failure words seen from the host without a device sync: `record()` after
+    a step's exchanges copies them into host memory on the stream (capturable: a CUDA graph
+    replays the copy), `check()` before a later step raises `ExchangeTimeout` for the first
+    failed one. A failure surfaces a step late at most: by then the step that recorded it
+    has finished (the caller read its sampled tokens)."""
+
+    def __init__(self, mailboxes):
+        self.mailboxes = [mb for mb in mailboxes if mb is not None and mb.world > 1]
+        device = self.mailboxes[0].state.device if self.mailboxes else torch.device("cpu")
+        self.host = torch.zeros(len(self.mailboxes), dtype=torch.int32,
+                                pin_memory=device.type == "cuda")  # fmt: skip
+
+    def record(self) -> None:
+        for i, mb in enumerate(self.mailboxes):
+            self.host[i : i + 1].copy_(mb.failed, non_blocking=True)
+
+    def check(self) -> None:
+        for mb, code in zip(self.mailboxes, self.host.tolist(), strict=True):
+            mb.check(code)
 
 
 class TiledExchange:
@@ -143,7 +220,7 @@ class TiledExchange:
                                    "CUDA-graph capture")  # fmt: skip
             self._ready.add(bm)
         self._kernel[(-(-m // bm), -(-mb.hidden // self.bd))](
-            x, out, mb.peers, mb.step, mb.arrive,
+            x, out, mb.peers, mb.state,
             m, mb.hidden, x.stride(0), out.stride(0), mb.max_tokens * mb.hidden, mb.rank,
             WORLD=mb.world, BM=bm, PDL=self._pdl, num_warps=4, launch_pdl=self._pdl, **meta,
         )  # fmt: skip

@@ -88,7 +88,7 @@ class AllReduceNorm(_RowOp):
         res_out, normed = out if out is not None else (torch.empty_like(residual),
                                                        torch.empty_like(residual))  # fmt: skip
         self._kernel[(m,)](
-            partial, residual, res_out, normed, self.weight, mb.peers, mb.step, mb.arrive,
+            partial, residual, res_out, normed, self.weight, mb.peers, mb.state,
             m, d, partial.stride(0), residual.stride(0), res_out.stride(0), normed.stride(0),
             mb.max_tokens * d, mb.rank, self.eps, **self._meta(),
         )  # fmt: skip
@@ -126,7 +126,7 @@ class EmbedNorm(_RowOp):
         out = torch.empty(m, 2 * d, dtype=torch.bfloat16, device=hidden.device)
         self._kernel[(m,)](
             embed_partial, positions.contiguous(), hidden, out, self.enorm, self.hnorm,
-            mb.peers, mb.step, mb.arrive, m, d, embed_partial.stride(0), hidden.stride(0),
+            mb.peers, mb.state, m, d, embed_partial.stride(0), hidden.stride(0),
             out.stride(0), mb.max_tokens * d, mb.rank, self.eps, **self._meta(),
         )  # fmt: skip
         return out

@@ -5,7 +5,8 @@ all-reduce + residual + RMSNorm and the MTP input (a CTA a whole row), the logit
 The all-reduce, a tile of BM rows x BD columns a CTA: this rank's tile pushed to every peer
 and every rank's tile summed in rank order (`exchange_sum`), rounded once, stored; the tile
 read cleared back to the sentinel (`clear_read`); the call's last CTA moves the step on
-(`next_step`). No NCCL, no barrier on the hot path; capturable.
+(`next_step`). No NCCL, no barrier on the hot path; capturable. A peer that never arrives
+gives NaN after the mailbox's poll budget, never a hang (`wait_tile`).
 """
 
 import triton
@@ -13,15 +14,16 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from glm5_kernels.exchange import SENTINEL32 as _SENTINEL32
-from glm5_kernels.exchange.triton_exchange import all_reduce_tile, next_step
+from glm5_kernels.exchange.triton_exchange import all_reduce_tile, next_step, wait_tile
 from glm5_kernels.gemm.triton_skinny import _narrow
 
 SENTINEL32 = tl.constexpr(_SENTINEL32)  # 0xFFFFFFFF: FP32 rows' (a NaN no arithmetic makes)
+NAN32 = tl.constexpr(0x7FC00000)  # the canonical FP32 quiet NaN
 
 
 @triton.jit
 def one_shot_all_reduce_kernel(
-    x_ptr, out_ptr, peers_ptr, step_ptr, arrive_ptr,
+    x_ptr, out_ptr, peers_ptr, state_ptr,
     M, D, stride_x, stride_out, slot_elems, rank,
     WORLD: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, INTERPRETER: tl.constexpr,
     PDL: tl.constexpr,
@@ -33,7 +35,7 @@ def one_shot_all_reduce_kernel(
         gdc_wait()
         gdc_launch_dependents()
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    y = all_reduce_tile(x, peers_ptr, step_ptr, arrive_ptr, rank, rows[:, None] * D + cols[None, :],
+    y = all_reduce_tile(x, peers_ptr, state_ptr, rank, rows[:, None] * D + cols[None, :],
                         mask, slot_elems, WORLD, INTERPRETER)  # fmt: skip
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(tl.bfloat16), mask=mask)
 
@@ -49,7 +51,7 @@ def _rms_norm_row(x, w, D, eps, INTERPRETER: tl.constexpr):
 
 @triton.jit
 def all_reduce_norm_kernel(
-    x_ptr, res_ptr, res_out_ptr, normed_ptr, w_ptr, peers_ptr, step_ptr, arrive_ptr,
+    x_ptr, res_ptr, res_out_ptr, normed_ptr, w_ptr, peers_ptr, state_ptr,
     M, D, stride_x, stride_res, stride_res_out, stride_normed, slot_elems, rank, eps,
     WORLD: tl.constexpr, BD: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -64,7 +66,7 @@ def all_reduce_norm_kernel(
         gdc_wait()
         gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    y = all_reduce_tile(x, peers_ptr, step_ptr, arrive_ptr, rank, row * D + cols, mask,
+    y = all_reduce_tile(x, peers_ptr, state_ptr, rank, row * D + cols, mask,
                         slot_elems, WORLD, INTERPRETER)  # fmt: skip
     res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
     r = _narrow(y + res, tl.bfloat16, INTERPRETER)
@@ -75,7 +77,7 @@ def all_reduce_norm_kernel(
 
 @triton.jit
 def logits_gather_kernel(
-    x_ptr, out_ptr, peers_ptr, step_ptr, arrive_ptr,
+    x_ptr, out_ptr, peers_ptr, state_ptr,
     M, S, stride_x, stride_out, slot_elems, rank,
     WORLD: tl.constexpr, BM: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -89,12 +91,12 @@ def logits_gather_kernel(
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    step = tl.load(step_ptr)
+    step = tl.load(state_ptr)
     slot = step % 3
     offs = rows[:, None] * S + cols[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     bits = x.to(tl.int32, bitcast=True)
-    sent = tl.where(bits == SENTINEL32, 0x7FC00000, bits)
+    sent = tl.where(bits == SENTINEL32, NAN32, bits)
     for p in tl.static_range(WORLD):
         if p != rank:
             peer = tl.load(peers_ptr + p).to(tl.pointer_type(tl.int32))
@@ -105,21 +107,19 @@ def logits_gather_kernel(
     for p in tl.static_range(WORLD):
         if p != rank:
             at = own + (slot * WORLD + p) * slot_elems + offs
-            v = tl.load(at, mask=mask, other=0, volatile=True)
-            while tl.max(tl.where(mask & (v == SENTINEL32), 1, 0)) > 0:
-                v = tl.load(at, mask=mask, other=0, volatile=True)
+            v = wait_tile(at, mask, state_ptr, 1 + p + WORLD * step, SENTINEL32, NAN32)
             tl.store(at_out + p * S, v.to(tl.float32, bitcast=True), mask=mask)
     tl.debug_barrier()  # replicas have read their values before any is cleared
     blank = tl.full(offs.shape, SENTINEL32, tl.int32)
     for p in tl.static_range(WORLD):
         if p != rank:
             tl.store(own + (slot * WORLD + p) * slot_elems + offs, blank, mask=mask)
-    next_step(step_ptr, arrive_ptr, step)
+    next_step(state_ptr, step)
 
 
 @triton.jit
 def embed_norm_kernel(
-    x_ptr, pos_ptr, hidden_ptr, out_ptr, ew_ptr, hw_ptr, peers_ptr, step_ptr, arrive_ptr,
+    x_ptr, pos_ptr, hidden_ptr, out_ptr, ew_ptr, hw_ptr, peers_ptr, state_ptr,
     M, D, stride_x, stride_h, stride_out, slot_elems, rank, eps,
     WORLD: tl.constexpr, BD: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -135,7 +135,7 @@ def embed_norm_kernel(
         gdc_wait()
         gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    y = all_reduce_tile(x, peers_ptr, step_ptr, arrive_ptr, rank, row * D + cols, mask,
+    y = all_reduce_tile(x, peers_ptr, state_ptr, rank, row * D + cols, mask,
                         slot_elems, WORLD, INTERPRETER)  # fmt: skip
     y = tl.where(tl.load(pos_ptr + row) != 0, y, 0.0)
     tl.store(out_ptr + row * stride_out + cols, _rms_norm_row(y, ew, D, eps, INTERPRETER),

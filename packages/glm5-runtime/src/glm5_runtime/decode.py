@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from glm5_comm import AllReduceBoundary, LogitsGather
+from glm5_comm import AllReduceBoundary, LogitsGather, MailboxWatch
 from glm5_kernels.dsa import IndexerTopk, KpoolWrite, SparseMlaDecode
 from glm5_kernels.gemm import DenseMlp, Projection, Router, SharedExpert
 from glm5_kernels.kda import KdaDecode
@@ -368,6 +368,7 @@ class SpecializedDecode(LayerStages):
         self.mhc_tokens: frozenset[int] = frozenset()
         self._sites: dict[tuple[int, str], tuple[Tensor, ...]] = {}
         self._build("boundary", self._boundaries)
+        self.watch = MailboxWatch([])  # the exchanges' failure words (`prepare`)
 
     def _logits_gather(self, tokens: list[int]) -> None:
         b = self.backbone
@@ -428,6 +429,10 @@ class SpecializedDecode(LayerStages):
             self.mhc, self.exchange = None, None
         if "logits_gather" in failed:
             self.logits_gather, self.gather_tokens = None, frozenset()
+        # A peer that never arrives leaves NaN and a failed mailbox, not a hung GPU: each
+        # planned step with exchanges records the failure words, the next raises.
+        self.watch = MailboxWatch([self.exchange and self.exchange.mailbox,
+                                   self.logits_gather and self.logits_gather.mailbox])  # fmt: skip
         return failed
 
     def partial(self, tokens: int) -> bool:
@@ -451,8 +456,11 @@ class SpecializedDecode(LayerStages):
         with self.installed(step.tokens):
             x = b.embed(tokens) if embeds is None else embeds
             if self.partial(step.tokens):  # the backbone's all-reduces off once a step
+                self.watch.check()
                 with b.unreduced():
-                    return self._fused_boundaries(x, placement)
+                    out = self._fused_boundaries(x, placement)
+                self.watch.record()
+                return out
             if self.mhc is not None and step.tokens in self.mhc_tokens:
                 return self._fused_boundaries(x, placement)
             shape = x.shape
@@ -520,6 +528,7 @@ class SpecializedDecode(LayerStages):
         """[..., vocab] FP32 logits: the skinny LM head and the mailbox gather where the
         policy picks them."""
         b = self.backbone
+        self.watch.check()  # an exchange of an earlier step timed out: its outputs are NaN
         x = hidden.reshape(-1, hidden.shape[-1])
         if self.serves_logits(hidden):
             x = x.contiguous()
@@ -529,6 +538,7 @@ class SpecializedDecode(LayerStages):
         if self.logits_gather is not None and x.shape[0] in self.gather_tokens:
             (shard,) = shards
             full = self.logits_gather(shard.contiguous())[:, : b.vocab_size]  # padding off
+            self.watch.record()
         else:
             full = b.gather(shards)
         return full.view(*hidden.shape[:-1], -1)

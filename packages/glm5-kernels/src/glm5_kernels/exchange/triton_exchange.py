@@ -10,6 +10,13 @@ back over what was read; `next_step` lets the call's last CTA move the step (slo
 can be at most one step ahead (it needs this rank's push to finish its step), so it writes
 the next slot, cleared when this rank read it, never the one being read: no barrier between
 calls, capturable (the step lives on the device).
+
+The mailbox's state words (int32 [4], `state_ptr`): the step, the call's CTA arrivals, the
+failure code, the poll budget. A peer that never arrives (its process gone, or out of step)
+must not hang the GPU: `wait_tile` gives up after the budget's polls, records the first
+failure (1 + peer + WORLD * step) and hands the missing values on as NaN. A failed mailbox
+stays failed: every later call waits for nothing and hands on NaN, and the host raises
+(glm5_comm's `Mailbox.check`).
 """
 
 import triton
@@ -19,13 +26,33 @@ from glm5_kernels.exchange import SENTINEL as _SENTINEL
 from glm5_kernels.gemm.triton_skinny import _bf16
 
 SENTINEL = tl.constexpr(_SENTINEL)
+NAN16 = tl.constexpr(0x7FC0)  # BF16 quiet NaN bits: a value that never arrived
 
 
 @triton.jit
-def exchange_sum(x, peers_ptr, rank, slot, offs, mask, slot_elems,
+def wait_tile(at, mask, state_ptr, code, SENT: tl.constexpr, NAN: tl.constexpr):
+    """The mailbox tile at `at` (its own, a peer's source), polled until no value is the
+    sentinel SENT; after the poll budget (none if the mailbox failed already), the failure
+    `code` recorded (the first one stays) and every value of a failed mailbox NaN bits."""
+    dead = tl.load(state_ptr + 2, volatile=True) != 0
+    left = tl.where(dead, 0, tl.load(state_ptr + 3))
+    v = tl.load(at, mask=mask, other=0, volatile=True)
+    while (tl.max(tl.where(mask & (v == SENT), 1, 0)) > 0) & (left > 0):
+        v = tl.load(at, mask=mask, other=0, volatile=True)
+        left -= 1
+    lost = tl.max(tl.where(mask & (v == SENT), 1, 0)) > 0
+    if lost:
+        tl.atomic_cas(state_ptr + 2, 0, code, sem="relaxed")
+    return tl.where(dead | lost, NAN, v).to(v.dtype)
+
+
+@triton.jit
+def exchange_sum(x, peers_ptr, state_ptr, rank, step, offs, mask, slot_elems,
                  WORLD: tl.constexpr):  # fmt: skip
     """This rank's BF16 tile x pushed to every peer's mailbox; the FP32 sum over ranks (in
-    rank order) of every rank's tile at the same offsets, once each has arrived."""
+    rank order) of every rank's tile at the same offsets, once each has arrived (NaN where
+    one never did: `wait_tile`)."""
+    slot = step % 3
     bits = x.to(tl.int16, bitcast=True)
     sent = tl.where(bits == SENTINEL, 0, bits).to(tl.int16)  # -0.0 goes as +0.0
     for p in tl.static_range(WORLD):
@@ -39,9 +66,7 @@ def exchange_sum(x, peers_ptr, rank, slot, offs, mask, slot_elems,
             acc += x.to(tl.float32)
         else:
             at = own + (slot * WORLD + p) * slot_elems + offs
-            v = tl.load(at, mask=mask, other=0, volatile=True)
-            while tl.max(tl.where(mask & (v == SENTINEL), 1, 0)) > 0:
-                v = tl.load(at, mask=mask, other=0, volatile=True)
+            v = wait_tile(at, mask, state_ptr, 1 + p + WORLD * step, SENTINEL, NAN16)
             acc += v.to(tl.bfloat16, bitcast=True).to(tl.float32)
     return acc
 
@@ -59,17 +84,17 @@ def clear_read(peers_ptr, rank, slot, offs, mask, slot_elems, WORLD: tl.constexp
 
 
 @triton.jit
-def next_step(step_ptr, arrive_ptr, step):
+def next_step(state_ptr, step):
     """The last CTA of the call to arrive moves the step on (every CTA read it already)."""
     tl.debug_barrier()  # every thread's mailbox stores before the release
     programs = tl.num_programs(0) * tl.num_programs(1)
-    if tl.atomic_add(arrive_ptr, 1, sem="acq_rel") == programs - 1:
-        tl.store(arrive_ptr, 0)
-        tl.store(step_ptr, step + 1)
+    if tl.atomic_add(state_ptr + 1, 1, sem="acq_rel") == programs - 1:
+        tl.store(state_ptr + 1, 0)
+        tl.store(state_ptr, step + 1)
 
 
 @triton.jit
-def all_reduce_tile(x, peers_ptr, step_ptr, arrive_ptr, rank, offs, mask, slot_elems,
+def all_reduce_tile(x, peers_ptr, state_ptr, rank, offs, mask, slot_elems,
                     WORLD: tl.constexpr, INTERPRETER: tl.constexpr):  # fmt: skip
     """This rank's BF16 tile x summed with every rank's at the same offsets (rank order, one
     BF16 rounding: all_reduce_ref), as FP32; the mailbox tile cleared and the step handed
@@ -78,10 +103,9 @@ def all_reduce_tile(x, peers_ptr, step_ptr, arrive_ptr, rank, offs, mask, slot_e
     if WORLD == 1:
         y = x.to(tl.float32)
     else:
-        step = tl.load(step_ptr)
-        slot = step % 3
-        y = exchange_sum(x, peers_ptr, rank, slot, offs, mask, slot_elems, WORLD)
+        step = tl.load(state_ptr)
+        y = exchange_sum(x, peers_ptr, state_ptr, rank, step, offs, mask, slot_elems, WORLD)
         y = _bf16(y, INTERPRETER)
-        clear_read(peers_ptr, rank, slot, offs, mask, slot_elems, WORLD)
-        next_step(step_ptr, arrive_ptr, step)
+        clear_read(peers_ptr, rank, step % 3, offs, mask, slot_elems, WORLD)
+        next_step(state_ptr, step)
     return y

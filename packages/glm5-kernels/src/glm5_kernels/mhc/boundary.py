@@ -167,7 +167,7 @@ class MhcBoundary:
         comb [T, H, H] FP32, then the next pre and norm: (streams', post', comb', normed).
         `exchange`: x is this rank's TP-partial output, all-reduced in the same launch
         through these peer mailboxes (glm5-comm's `Mailbox`: rank, world, hidden,
-        max_tokens, peers, step, arrive; world 1: no exchange)."""
+        max_tokens, peers, state; world 1: no exchange)."""
         return self._run(POST, x, streams, post, comb, fn, scale, base, norm_weight, out,
                          exchange)  # fmt: skip
 
@@ -212,7 +212,7 @@ class MhcBoundary:
             self._part,
             self._sum,
             self._bar,
-            *(self._exchange_args(exchange) if world > 1 else (dummy, dummy, dummy, dummy)),
+            *(self._exchange_args(exchange) if world > 1 else (dummy, dummy, dummy)),
             m, d, self.max_tokens, c.rms_eps, c.hc_eps, c.norm_eps, c.post_mult,
             exchange.rank if world > 1 else 0,
             exchange.max_tokens * d if world > 1 else 0,
@@ -231,7 +231,7 @@ class MhcBoundary:
         return (streams if mode == GIVEN else new), post_out, comb_out, normed
 
     def _exchange_args(self, exchange) -> tuple:
-        """(xr, peers, step, arrive): xr keeps the reduced rows between two phases (one
+        """(xr, peers, state): xr keeps the reduced rows between two phases (one
         launch leaves it unused, but every call passes the same buffer: one specialization
         of the kernel, compiled by `prepare`)."""
         if self._xr is None:
@@ -240,7 +240,7 @@ class MhcBoundary:
                                    "call before CUDA-graph capture (prepare)")  # fmt: skip
             self._xr = torch.empty(self.max_tokens, self.config.hidden, dtype=torch.bfloat16,
                                    device=self._device)  # fmt: skip
-        return self._xr, exchange.peers, exchange.step, exchange.arrive
+        return self._xr, exchange.peers, exchange.state
 
     def _check_exchange(self, exchange, m: int) -> None:
         problems = []

@@ -34,7 +34,7 @@ from glm5_kernels.moe.triton_moe import _sigmoid
 
 
 @triton.jit
-def _x(x_ptr, xr_ptr, peers_ptr, xstep_ptr, xarrive_ptr, t, d, tm, dm, D, rank, slot_elems,
+def _x(x_ptr, xr_ptr, peers_ptr, xstate_ptr, t, d, tm, dm, D, rank, slot_elems,
        WORLD: tl.constexpr, PHASE: tl.constexpr, INTERPRETER: tl.constexpr):  # fmt: skip
     """The sublayer output's tile [BT, 1, BD] (FP32 holding BF16): this rank's x, or with
     WORLD > 1 every rank's TP-partial x summed through the peer mailboxes (rank order, one
@@ -46,7 +46,7 @@ def _x(x_ptr, xr_ptr, peers_ptr, xstep_ptr, xarrive_ptr, t, d, tm, dm, D, rank, 
         x = tl.load(xr_ptr + offs, mask=m2, other=0.0).to(tl.float32)
     else:
         mine = tl.load(x_ptr + offs, mask=m2, other=0.0)
-        x = all_reduce_tile(mine, peers_ptr, xstep_ptr, xarrive_ptr, rank, offs, m2, slot_elems,
+        x = all_reduce_tile(mine, peers_ptr, xstate_ptr, rank, offs, m2, slot_elems,
                             WORLD, INTERPRETER)  # fmt: skip
         if WORLD > 1 and PHASE == 1:
             tl.store(xr_ptr + offs, x.to(tl.bfloat16), mask=m2)  # exact: x holds BF16 values
@@ -55,7 +55,7 @@ def _x(x_ptr, xr_ptr, peers_ptr, xstep_ptr, xarrive_ptr, t, d, tm, dm, D, rank, 
 
 @triton.jit
 def _streams(x_ptr, res_ptr, post_ptr, comb_ptr, t, d, tm, dm, D, xr_ptr, peers_ptr,
-             xstep_ptr, xarrive_ptr, rank, slot_elems, MODE: tl.constexpr,
+             xstate_ptr, rank, slot_elems, MODE: tl.constexpr,
              WORLD: tl.constexpr, PHASE: tl.constexpr, INTERPRETER: tl.constexpr):  # fmt: skip
     """The streams [BT, 4, BD] (FP32 holding BF16 values) of tokens t, columns d."""
     h = tl.arange(0, 4)
@@ -64,13 +64,13 @@ def _streams(x_ptr, res_ptr, post_ptr, comb_ptr, t, d, tm, dm, D, xr_ptr, peers_
     if MODE == 0:
         s = tl.load(res_ptr + t3 * (4 * D) + h3 * D + d3, mask=m3, other=0.0).to(tl.float32)
     elif MODE == 1:
-        x = _x(x_ptr, xr_ptr, peers_ptr, xstep_ptr, xarrive_ptr, t, d, tm, dm, D, rank,
+        x = _x(x_ptr, xr_ptr, peers_ptr, xstate_ptr, t, d, tm, dm, D, rank,
                slot_elems, WORLD, PHASE, INTERPRETER)  # fmt: skip
         s = x + tl.zeros([1, 4, 1], tl.float32)
     else:
         # transformers' order in the model dtype: post * y, comb^T @ streams (FP32
         # accumulation, one rounding), then their sum.
-        x = _x(x_ptr, xr_ptr, peers_ptr, xstep_ptr, xarrive_ptr, t, d, tm, dm, D, rank,
+        x = _x(x_ptr, xr_ptr, peers_ptr, xstate_ptr, t, d, tm, dm, D, rank,
                slot_elems, WORLD, PHASE, INTERPRETER)  # fmt: skip
         tm3 = tm[:, None, None]
         p = tl.load(post_ptr + t3 * 4 + h3, mask=tm3, other=0.0)
@@ -91,7 +91,7 @@ def hc_boundary_kernel(
     streams_ptr, post_out_ptr, comb_out_ptr, normed_ptr,  # outputs
     part_ptr, sum_ptr, bar_ptr,  # workspace: partial rows [splits, max_tokens, PW], their
     # sums [max_tokens, PW], a barrier word per token block
-    xr_ptr, peers_ptr, xstep_ptr, xarrive_ptr,  # WORLD > 1: the all-reduce's (see _x)
+    xr_ptr, peers_ptr, xstate_ptr,  # WORLD > 1: the all-reduce's (see _x)
     T, D, max_tokens, rms_eps, hc_eps, norm_eps, post_mult, rank, slot_elems,
     H: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BTR: tl.constexpr,
     SR: tl.constexpr, NMIX_P: tl.constexpr, MODE: tl.constexpr, STORE: tl.constexpr,
@@ -121,7 +121,7 @@ def hc_boundary_kernel(
         gdc_wait()  # the inputs and the workspace come from earlier kernels
         gdc_launch_dependents()
     s = _streams(x_ptr, res_ptr, post_ptr, comb_ptr, t, d, tm, dm, D, xr_ptr, peers_ptr,
-                 xstep_ptr, xarrive_ptr, rank, slot_elems, MODE, WORLD, PHASE,
+                 xstate_ptr, rank, slot_elems, MODE, WORLD, PHASE,
                  INTERPRETER)  # fmt: skip
 
     if PHASE != 2:
