@@ -157,12 +157,12 @@ def mhc_cases(arch: int) -> int:
     }
     n = 0
     # Every mode and the one-launch form at one token; the post at 8 and 64 tokens (other
-    # tiles), there also as the two phases; the post and the head with the all-reduce in
-    # (world 2: one launch at 8 tokens, phase 1 at 64).
+    # tiles), there also as the two phases; the post, the head and the expansion with the
+    # all-reduce in (world 2: one launch at 8 tokens, phase 1 at 64).
     cases = [(1, mode, head, 0, 1)
              for mode, head in ((1, False), (2, False), (2, True), (0, False))]  # fmt: skip
     cases += [(8, 2, False, 0, 1)] + [(64, 2, False, phase, 1) for phase in (0, 1, 2)]
-    cases += [(8, 2, False, 0, 2), (8, 2, True, 0, 2), (64, 2, False, 1, 2)]
+    cases += [(8, 2, False, 0, 2), (8, 2, True, 0, 2), (64, 2, False, 1, 2), (8, 1, False, 0, 2)]
     for m, mode, head, phase, world in cases:
         p = MhcBoundary._plan(op, m)
         constexprs = {"H": 4, "BT": p.bt, "BD": p.bd, "BTR": min(16, m), "SR": p.sr,

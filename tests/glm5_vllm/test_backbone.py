@@ -178,19 +178,21 @@ def test_routes_run_stage_ops_and_leave_vllms_modules_as_they_were(built):
 
 
 def test_unreduced_leaves_every_sublayer_output_tp_partial(built, monkeypatch):
-    """Inside `unreduced()` (a fused boundary all-reduces instead) vLLM's row-parallel
-    layers and MoE blocks skip their all-reduce, stock and routed alike; outside, and after
-    it, they reduce as vLLM built them. TP 2 is played by the layers' `tp_size` and a
-    stand-in all-reduce that doubles (two ranks' equal partials); TP 1 has no mailbox."""
+    """Inside `unreduced()` (a fused boundary all-reduces instead) vLLM's vocab-parallel
+    embedding, row-parallel layers and MoE blocks skip their all-reduce, stock and routed
+    alike; outside, and after it, they reduce as vLLM built them. TP 2 is played by the
+    layers' `tp_size` and a stand-in all-reduce that doubles (two ranks' equal partials); TP 1
+    has no mailbox."""
     import vllm.distributed as vd
     import vllm.model_executor.layers.linear as vllm_linear
+    import vllm.model_executor.layers.vocab_parallel_embedding as vllm_vocab
     from vllm.config import set_current_vllm_config
 
     model, vllm_config, _, _ = built
     b = _backbone(built)
     layers = model.model.layers
     flags = b._reduce_flags()
-    assert len(flags) == 2 * len(layers)
+    assert len(flags) == 1 + 2 * len(layers)  # the embedding's, then every sublayer's
     before = [getattr(h, n) for h, n, _ in flags]
     assert before == [not v for _, _, v in flags]  # vLLM reduces every sublayer's output
     with b.unreduced():
@@ -204,6 +206,15 @@ def test_unreduced_leaves_every_sublayer_output_tp_partial(built, monkeypatch):
     monkeypatch.setattr(vllm_linear, "tensor_model_parallel_all_reduce", doubled)
     monkeypatch.setattr(vd, "tensor_model_parallel_all_reduce", doubled)
     monkeypatch.setattr(vd, "get_tensor_model_parallel_world_size", lambda: 2)
+    embedding = model.model.embed_tokens
+    ids = torch.tensor([0, 5, b.vocab_size - 1])
+    with set_current_vllm_config(vllm_config), torch.no_grad():
+        row = b.embed(ids)  # TP 1: the lookup, no all-reduce
+        monkeypatch.setattr(embedding, "tp_size", 2)
+        monkeypatch.setattr(vllm_vocab, "tensor_model_parallel_all_reduce", doubled)
+        with b.unreduced():
+            assert torch.equal(b.embed(ids), row)  # the shard's rows (here: all of them)
+        assert torch.equal(b.embed(ids), 2 * row)
     dense = next(i for i, x in enumerate(b.layers) if x.mlp == "dense")
     moe = next(i for i, x in enumerate(b.layers) if x.mlp == "moe")
     down = layers[dense].mlp.down_proj

@@ -41,6 +41,13 @@ class AllReduceBoundary:
         before CUDA-graph capture."""
         self.boundary.prepare(tokens or range(1, self.mailbox.max_tokens + 1), self._exchange)
 
+    def expand_pre(self, partial, fn, scale, base, norm_weight, *, out=None):
+        """This rank's vocab-parallel embedding partial [T, D] BF16 (a token's row on the rank
+        holding it, zeros elsewhere) summed — exact — and expanded into the streams, then
+        the first pre and norm, as `MhcBoundary.expand_pre`."""
+        return self.boundary.expand_pre(partial, fn, scale, base, norm_weight, out=out,
+                                        exchange=self._exchange)  # fmt: skip
+
     def post_pre(self, partial, streams, post, comb, fn, scale, base, norm_weight, *, out=None):
         """This rank's partial [T, D] BF16 summed over the ranks, posted into the streams,
         then the next pre and norm: (streams', post', comb', normed), as `MhcBoundary.post_pre`."""

@@ -454,13 +454,14 @@ class SpecializedDecode(LayerStages):
         from input embeddings the caller computed (a multimodal model's)."""
         b = self.backbone
         with self.installed(step.tokens):
-            x = b.embed(tokens) if embeds is None else embeds
             if self.partial(step.tokens):  # the backbone's all-reduces off once a step
                 self.watch.check()
-                with b.unreduced():
-                    out = self._fused_boundaries(x, placement)
+                with b.unreduced():  # the embedding too: summed in the first boundary
+                    x = b.embed(tokens) if embeds is None else embeds
+                    out = self._fused_boundaries(x, placement, embedded=embeds is None)
                 self.watch.record()
                 return out
+            x = b.embed(tokens) if embeds is None else embeds
             if self.mhc is not None and step.tokens in self.mhc_tokens:
                 return self._fused_boundaries(x, placement)
             shape = x.shape
@@ -474,10 +475,11 @@ class SpecializedDecode(LayerStages):
                 streams = b.post(m.reshape(-1, shape[-1]), streams, post, comb)
             return b.final_norm(streams).view(shape)
 
-    def _fused_boundaries(self, x: Tensor, placement: Any) -> Tensor:
+    def _fused_boundaries(self, x: Tensor, placement: Any, embedded: bool = False) -> Tensor:
         """`run`'s layer loop with each mHC boundary one kernel: the embedding expanded
         into the streams and the first pre; between sublayers post -> pre -> norm; after the
-        last, post -> the streams' mean -> the final norm."""
+        last, post -> the streams' mean -> the final norm. With partial outputs, x is the
+        embedding's partial where `embedded` (else the caller's whole input embeddings)."""
         shape, op, sites = x.shape, self.mhc, self._sites
         assert op is not None
         # After a sublayer: its output reduced here, or its partial through the exchange.
@@ -487,7 +489,8 @@ class SpecializedDecode(LayerStages):
         def rows(t: Tensor) -> Tensor:
             return t.reshape(-1, shape[-1]).contiguous()
 
-        streams, post, comb, h = op.expand_pre(rows(x), *sites[self.layers[0].index, "attn"])
+        first = boundary if embedded else op
+        streams, post, comb, h = first.expand_pre(rows(x), *sites[self.layers[0].index, "attn"])
         for i, layer in enumerate(self.layers):
             a = rows(self.attention(layer, h.view(shape), placement))
             site = sites[layer.index, "ffn"]

@@ -9,9 +9,9 @@ passes through the runtime untouched; `rows(placement)` gives the neutral row co
 routing decision reads.
 
 TP ranks in other processes (seam 6): where `mailbox` gives one, the fused boundaries
-all-reduce the sublayers' outputs themselves, through it: the runtime runs `attention` and
-`mlp` inside `unreduced()` (this process's one shard's TP-partial output, no all-reduce) and
-hands the partial to glm5-comm's `AllReduceBoundary`.
+all-reduce the sublayers' outputs themselves, through it: the runtime runs `embed`,
+`attention` and `mlp` inside `unreduced()` (this process's one shard's TP-partial output, no
+all-reduce) and hands the partial to glm5-comm's `AllReduceBoundary`.
 """
 
 from __future__ import annotations
@@ -207,9 +207,11 @@ class Backbone(Protocol):
         """The TP all-reduce of the shards' partial outputs."""
 
     def unreduced(self) -> AbstractContextManager[None]:
-        """Inside it, `attention` and `mlp` return this process's TP-partial output, never
-        all-reduced across processes (vLLM: its row-parallel layers' and MoE blocks'
-        all-reduce off); the runtime enters it only where `mailbox` gave a mailbox."""
+        """Inside it, `embed`, `attention` and `mlp` return this process's TP-partial
+        output, never all-reduced across processes (`embed`: its vocab shard's rows, zeros
+        for tokens outside it; vLLM: its vocab-parallel embedding's, row-parallel layers'
+        and MoE blocks' all-reduce off); the runtime enters it only where `mailbox` gave a
+        mailbox."""
 
     def mailbox(
         self, hidden: int, max_tokens: int, dtype: torch.dtype = torch.int16

@@ -276,8 +276,8 @@ class VllmBackbone:
 
     def _reduce_flags(self) -> list[tuple[Any, str, bool]]:
         """(holder, flag, its value that leaves the output TP-partial) of every all-reduce
-        inside the decoder layers' sublayers."""
-        flags = []
+        inside the decoder's embedding and its layers' sublayers."""
+        flags = [(self.decoder.embed_tokens, "reduce_results", False)]
         for layer in self.decoder.layers:
             flags.append((layer.self_attn.o_proj, "reduce_results", False))
             if layer._mlp_is_moe:

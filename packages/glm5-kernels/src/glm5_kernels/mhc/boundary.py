@@ -135,7 +135,8 @@ class MhcBoundary:
         """Compile every kind of boundary for each token count (before CUDA-graph capture),
         for the weight dtypes `check_weights` has seen (FP32 mix weights and a BF16 norm
         where it has seen none); with `exchange`, the posts all-reduce through it (every
-        rank must prepare alike: each call exchanges)."""
+        rank must prepare alike: each call exchanges), and so does an expansion (beside the
+        one without)."""
         c, dev = self.config, self._device
         bf16, f32 = torch.bfloat16, torch.float32
         for fn_t, scale_t, base_t, norm_t in self._dtypes or {(f32, f32, f32, bf16)}:
@@ -146,6 +147,8 @@ class MhcBoundary:
             for m in tokens:
                 x = torch.zeros(m, c.hidden, dtype=bf16, device=dev)
                 streams, post, comb, _ = self.expand_pre(x, fn, scale, base, norm)
+                if exchange is not None:  # the vocab-parallel embedding's partial, summed
+                    self.expand_pre(x, fn, scale, base, norm, exchange=exchange)
                 self.post_pre(x, streams, post, comb, fn, scale, base, norm, exchange=exchange)
                 self.head(x, streams, post, comb, norm, exchange=exchange)
 
@@ -156,10 +159,12 @@ class MhcBoundary:
         x = streams[:, 0] if streams.dim() == 3 else streams
         return self._run(GIVEN, x, streams, None, None, fn, scale, base, norm_weight, out)
 
-    def expand_pre(self, x, fn, scale, base, norm_weight, *, out=None):
+    def expand_pre(self, x, fn, scale, base, norm_weight, *, out=None, exchange=None):
         """x [T, D] BF16 (the embedding) -> (streams [T, H, D] BF16 (x in every stream),
-        post [T, H] FP32, comb [T, H, H] FP32, the normed sublayer input [T, D] BF16)."""
-        return self._run(EXPAND, x, None, None, None, fn, scale, base, norm_weight, out)
+        post [T, H] FP32, comb [T, H, H] FP32, the normed sublayer input [T, D] BF16).
+        `exchange`: x is this rank's vocab-parallel partial, summed first (as `post_pre`'s)."""
+        return self._run(EXPAND, x, None, None, None, fn, scale, base, norm_weight, out,
+                         exchange)  # fmt: skip
 
     def post_pre(self, x, streams, post, comb, fn, scale, base, norm_weight, *, out=None,
                  exchange=None):  # fmt: skip

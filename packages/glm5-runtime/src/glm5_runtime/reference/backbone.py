@@ -6,8 +6,8 @@ and their mailboxes (`mailbox`) for the fused boundaries' exchange."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from types import MappingProxyType
 
 import torch
@@ -42,6 +42,7 @@ class ReferenceBackbone:
         group (default: torch symmetric memory, on GPUs)."""
         g = model.g
         self._mailbox = mailbox
+        self._unreduced = False  # inside `unreduced()`: `embed` gives this shard's partial
         self.model, self.g = model, g
         self.layers = [
             Layer(i, "mla" if g.is_mla(i) else "kda", "dense" if t == "dense" else "moe")
@@ -130,7 +131,11 @@ class ReferenceBackbone:
 
     # Stock operations.
     def embed(self, tokens: Tensor) -> Tensor:
-        return self.model.reduce([rank.embed(tokens) for rank in self.model.ranks])
+        partials = [rank.embed(tokens) for rank in self.model.ranks]
+        if self._unreduced:
+            (partial,) = partials  # one shard a process (seam 6)
+            return partial
+        return self.model.reduce(partials)
 
     def expand(self, x: Tensor) -> Tensor:
         return hc_expand_ref(x, self.g.hc_mult)
@@ -166,8 +171,14 @@ class ReferenceBackbone:
     def reduce(self, partials: Sequence[Tensor]) -> Tensor:
         return self.model.reduce(partials)
 
-    def unreduced(self):
-        return nullcontext()  # `attention` / `mlp` return a shard's partial output anyway
+    @contextmanager
+    def unreduced(self) -> Iterator[None]:
+        # `attention` / `mlp` return a shard's partial output anyway; `embed` sums unless in.
+        self._unreduced = True
+        try:
+            yield
+        finally:
+            self._unreduced = False
 
     def mailbox(self, hidden: int, max_tokens: int, dtype=torch.int16) -> Mailbox | None:
         group = self.model.group
