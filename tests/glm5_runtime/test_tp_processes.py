@@ -26,6 +26,7 @@ from glm5_comm import ExchangeTimeout, Mailbox, logits_gather_ref
 from glm5_comm.allreduce import SENTINELS
 from glm5_policy import DecodeConfig
 from glm5_runtime.decode import SpecializedDecode
+from glm5_runtime.draft import SpecializedDraft
 from glm5_runtime.reference import ReferenceModel, geometry
 from glm5_runtime.reference.backbone import ReferenceBackbone
 from glm5_runtime.reference.weights import random_rank
@@ -96,14 +97,56 @@ def check_stock(rank: int, device: str) -> None:
 
 
 def _check_fused_on_cpu(rank: int, buffers: dict) -> None:
-    def mailbox(hidden, max_tokens, dtype):
-        return Mailbox.of_tensors(buffers[dtype], rank, hidden, max_tokens, dtype)
+    taken = dict.fromkeys(buffers, 0)
+
+    def mailbox(hidden, max_tokens, dtype):  # each call its own buffers, in call order
+        sets = buffers[dtype]
+        taken[dtype] += 1
+        return Mailbox.of_tensors(sets[taken[dtype] - 1], rank, hidden, max_tokens, dtype)
 
     def all_read():
-        for dtype, mine in ((d, b[rank]) for d, b in buffers.items()):
-            assert (mine[:, 1 - rank] == SENTINELS[dtype]).all(), dtype  # all read, cleared
+        for dtype, sets in buffers.items():
+            for mine in (b[rank] for b in sets):
+                assert (mine[:, 1 - rank] == SENTINELS[dtype]).all(), dtype  # read, cleared
 
+    check_fused_draft(rank, "cpu", mailbox)
     check_fused_boundaries(rank, "cpu", mailbox, all_read)
+
+
+def check_fused_draft(rank: int, device: str, mailbox=None) -> None:
+    """The MTP draft layer with its sums in glm5-comm's fused exchanges (EmbedNorm, then
+    AllReduceNorm twice): a draft prefill and two draft decodes within test_decode's draft
+    bound of the stock draft, no stock all-reduce, bit-equal across the ranks."""
+    group = dist.group.WORLD
+    stock, spec = (_model(rank, group=group, device=device) for _ in range(2))
+    config = DecodeConfig.build(max_context=64, q=Q, capture_sizes=SIZES, policy=POLICY)
+    draft = SpecializedDraft(ReferenceBackbone(spec, mailbox=mailbox), config)
+    assert draft.prepare() == set()
+    assert set(draft.exchange) == {0} and draft.exchange_tokens == set(SIZES)
+    sums = []
+    spec_reduce = spec.reduce
+    spec.reduce = lambda partials: sums.append(1) or spec_reduce(partials)
+    gen = torch.Generator().manual_seed(4)
+    requests = list(range(Q))
+    for m in (stock, spec):
+        assert [m.add() for _ in requests] == requests
+    hidden = torch.randn(Q, Q, spec.g.hidden_size, generator=gen).bfloat16().to(device)
+    for t, start in ((Q, 5), (1, 5 + Q), (1, 6 + Q)):  # a draft prefill, then two decodes
+        tokens = torch.randint(0, spec.g.vocab_size, (Q, t), generator=gen).to(device)
+        positions = (start + torch.arange(Q, device=device).expand(Q, Q))[:, :t]
+        ref, _ = stock.draft_hidden(tokens, hidden[:, :t], stock.place(requests, positions))
+        placement = spec.place(requests, positions)
+        decision = draft.plan(placement, capturing=True)
+        assert decision.step is not None, decision.reason
+        sums.clear()
+        out = draft.run(decision.step, 0, tokens, hidden[:, :t], placement)
+        assert not sums, len(sums)  # every sum in the exchanges
+        ref = ref[:, -1:] if t > 1 else ref
+        assert out.shape == ref.shape and rel(out, ref) < 5e-2, rel(out, ref)
+        print(f"rank {rank}: draft of {t} tokens a request vs stock {rel(out, ref):.2e}")
+        peers = [torch.empty_like(out) for _ in range(WORLD)]
+        dist.all_gather(peers, out)
+        assert all(torch.equal(p, out) for p in peers)
 
 
 def check_fused_boundaries(rank: int, device: str, mailbox=None, all_read=None) -> None:
@@ -173,11 +216,14 @@ def test_stock_step_across_processes_equals_one_process():
 def test_fused_boundaries_all_reduce_partial_outputs():
     g, max_tokens = _geometry((0,)), Q * Q
     # The boundaries' BF16 rows and the logits' FP32 vocab shards, each rank's mailbox.
-    widths = {torch.int16: g.hidden_size, torch.int32: g.vocab_size // WORLD}
+    # The boundaries' and the draft's BF16 rows, the logits' FP32 vocab shards: each
+    # mailbox's buffers (one a rank), as many as the decodes ask for.
+    widths = {torch.int16: (g.hidden_size, 2), torch.int32: (g.vocab_size // WORLD, 1)}
     buffers = {
-        dtype: [torch.full(Mailbox.shape(WORLD, width, max_tokens), SENTINELS[dtype],
-                           dtype=dtype).share_memory_() for _ in range(WORLD)]
-        for dtype, width in widths.items()
+        dtype: [[torch.full(Mailbox.shape(WORLD, width, max_tokens), SENTINELS[dtype],
+                            dtype=dtype).share_memory_() for _ in range(WORLD)]
+                for _ in range(n)]
+        for dtype, (width, n) in widths.items()
     }  # fmt: skip
     spawn_gloo(_check_fused_on_cpu, WORLD, buffers)
 

@@ -1,7 +1,8 @@
 """test_tp_processes on two GPUs of one host (NCCL; the fused boundaries' mailboxes on torch
 symmetric memory, peer pointers, multicast off): the reference model across the processes
 equals one process holding both ranks, and the specialized decode's partial outputs reduced
-in its fused boundaries stay within the stock BF16 model's noise, bit-equal across ranks."""
+in its fused boundaries stay within the stock BF16 model's noise, bit-equal across ranks, and
+so does the MTP draft with its sums in the fused exchanges."""
 
 import os
 import socket
@@ -10,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_tp_processes import WORLD, check_fused_boundaries, check_stock
+from test_tp_processes import WORLD, check_fused_boundaries, check_fused_draft, check_stock
 
 pytestmark = pytest.mark.multi_gpu
 
@@ -22,6 +23,7 @@ def _worker(rank: int, port: int, failures) -> None:
     dist.init_process_group("nccl", rank=rank, world_size=WORLD, device_id=torch.device(rank))
     try:
         check_stock(rank, "cuda")
+        check_fused_draft(rank, "cuda")
         check_fused_boundaries(rank, "cuda")
     except BaseException as e:
         failures.put(f"rank {rank}: {type(e).__name__}: {e}")

@@ -3,7 +3,13 @@ FULL-graph steps. The MTP layer has no mHC streams: eh_proj over [enorm(embeddin
 hnorm(hidden)], then one MLA + MoE block with residual adds, then the shared head norm.
 
 Draft decodes run one token per request; draft prefills run q, and only the sampled rows
-(each request's last token) go on past the attention, which writes every token's KV."""
+(each request's last token) go on past the attention, which writes every token's KV.
+
+Where the backbone's TP ranks live in other processes (seam 6: `Backbone.mailbox`), the
+`boundary` stage sums the layer's partials in glm5-comm's fused exchanges instead of the
+backbone's all-reduces: the embedding's partial into enorm | hnorm (`EmbedNorm`), the
+attention's and the MoE's partials into the residual add and the next norm
+(`AllReduceNorm`, twice) — three launches, no stock all-reduce in a draft step."""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from typing import Any
 
 from torch import Tensor
 
+from glm5_comm import AllReduceNorm, EmbedNorm, MailboxWatch
 from glm5_kernels.gemm import Projection
 from glm5_policy import DecodeConfig
 from glm5_policy.stages import MAX_TOKENS
@@ -32,6 +39,53 @@ class SpecializedDraft(LayerStages):
         super().__init__(backbone, config.policy, batches, backbone.draft_layers)
         # The draft's BF16 eh_proj takes the skinny GEMM where the DSA projections do.
         self._build("dsa_proj", self._eh_proj)
+        # Per MTP layer: (the input's EmbedNorm, the post-attention and the final
+        # AllReduceNorm), all on one mailbox, where the TP ranks are other processes.
+        self.exchange: dict[int, tuple[EmbedNorm, AllReduceNorm, AllReduceNorm]] = {}
+        self.exchange_tokens: frozenset[int] = frozenset()
+        self._build("boundary", self._boundaries)
+        self.watch = MailboxWatch([])
+        self._exchanging = False  # inside `_exchanged`: sublayers leave partial outputs
+
+    def partial(self, tokens: int) -> bool:
+        return self._exchanging
+
+    def _boundaries(self, tokens: list[int]) -> None:
+        b = self.backbone
+        mailbox = b.mailbox(b.hidden_size, max(tokens))
+        if mailbox is None:
+            return  # one process holds every shard: the backbone's sums
+        problems = []
+        if len(b.shards) != 1:
+            problems.append(f"shards {list(b.shards)} in a process of a TP group: the fused "
+                            "all-reduce sums one shard a process")  # fmt: skip
+        if b.mhc is None:
+            problems.append("no norm eps (Backbone.mhc)")
+        names = ("enorm", "hnorm", "post_attention_layernorm", "shared_head.norm")
+        weights = {(k, n): b.weight(b.shards[0], f"layers.{layer.index}.{n}.weight")
+                   for k, layer in enumerate(self.layers) for n in names}  # fmt: skip
+        problems += [f"no layers.{self.layers[k].index}.{n}.weight"
+                     for (k, n), w in weights.items() if w is None]  # fmt: skip
+        if problems:
+            raise ValueError("; ".join(problems))
+        eps = b.mhc.norm_eps
+        for k in range(len(self.layers)):
+            w = {n: weights[k, n] for n in names}
+            ops = (EmbedNorm(mailbox, w["enorm"], w["hnorm"], eps),
+                   AllReduceNorm(mailbox, w["post_attention_layernorm"], eps),
+                   AllReduceNorm(mailbox, w["shared_head.norm"], eps))  # fmt: skip
+            for op in ops:
+                self._add(op, tokens, None, None)  # not a route: `run` calls them
+            self.exchange[k] = ops
+        self.exchange_tokens = frozenset(tokens)
+
+    def prepare(self) -> set[str]:
+        failed = super().prepare()
+        if "boundary" in failed:
+            self.exchange, self.exchange_tokens = {}, frozenset()
+        mailboxes = [ops[0].mailbox for ops in self.exchange.values()]
+        self.watch = MailboxWatch(mailboxes[:1])  # the layers share one
+        return failed
 
     def _eh_proj(self, tokens: list[int]) -> None:
         for layer in self.layers:
@@ -64,6 +118,16 @@ class SpecializedDraft(LayerStages):
         b = self.backbone
         layer = self.layers[k]
         p = f"layers.{layer.index}"
+        if step.tokens in self.exchange_tokens and embeds is None:
+            self.watch.check()
+            self._exchanging = True
+            try:
+                with self.installed(step.tokens), b.unreduced():
+                    out = self._exchanged(step, k, tokens, hidden, placement, sampled_only)
+            finally:
+                self._exchanging = False
+            self.watch.record()
+            return out
         with self.installed(step.tokens):
             x = b.draft_input(k, tokens, hidden, placement, embeds)
             x = b.linear(b.shards[0], f"{p}.eh_proj.weight", x)  # replicated: one shard's
@@ -74,3 +138,24 @@ class SpecializedDraft(LayerStages):
             x = x + a
             x = x + self.mlp(layer, b.norm(f"{p}.post_attention_layernorm.weight", x))
             return b.norm(f"{p}.shared_head.norm.weight", x)
+
+    def _exchanged(self, step: Step, k: int, tokens: Tensor, hidden: Tensor, placement: Any,
+                   sampled_only: bool) -> Tensor:  # fmt: skip
+        """`run` with the backbone unreduced: each sum in a fused exchange (EmbedNorm, then
+        AllReduceNorm after the attention and after the MoE)."""
+        b = self.backbone
+        layer = self.layers[k]
+        p = f"layers.{layer.index}"
+        embed_norm, attn_norm, final_norm = self.exchange[k]
+        shape, d = hidden.shape, hidden.shape[-1]
+        positions = b.positions(placement).reshape(-1)
+        x = embed_norm(b.embed(tokens).reshape(-1, d), positions, hidden.reshape(-1, d))
+        x = b.linear(b.shards[0], f"{p}.eh_proj.weight", x)  # replicated: one shard's
+        a = self.attention(layer, b.norm(f"{p}.input_layernorm.weight", x).view(shape), placement)
+        a = a.reshape(-1, d)
+        if step.q > 1 and sampled_only:  # only the sampled rows go on
+            x, a = (t.reshape(-1, step.q, d)[:, -1] for t in (x, a))
+            shape = (x.shape[0], 1, d)  # [R, 1, D], as the stock path's
+        x, h = attn_norm(a.contiguous(), x.contiguous())
+        m = self.mlp(layer, h.view(shape)).reshape(-1, d)
+        return final_norm(m.contiguous(), x)[1].view(shape)

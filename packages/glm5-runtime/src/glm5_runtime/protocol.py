@@ -177,6 +177,9 @@ class Backbone(Protocol):
     def tokens(self, placement: Any) -> int:
         """The step's token rows (requests x tokens per request)."""
 
+    def positions(self, placement: Any) -> Tensor:
+        """The step's token positions, one a token row (any shape of `tokens` elements)."""
+
     def rows(self, placement: Any) -> Mapping[str, Rows]:
         """Each layer's step metadata as row counts."""
 

@@ -231,6 +231,9 @@ class VllmBackbone:
     def tokens(self, placement: VllmStep) -> int:
         return placement.context.tokens
 
+    def positions(self, placement: VllmStep) -> Tensor:
+        return placement.positions
+
     def rows(self, placement: VllmStep) -> Mapping[str, Rows]:
         return placement.context.rows
 
@@ -447,7 +450,9 @@ class VllmDraftBackbone(VllmBackbone):
         return torch.cat([layer.enorm(embeds * keep), layer.hnorm(hidden)], dim=-1)
 
     def mailbox(self, hidden: int, max_tokens: int, dtype=torch.int16):
-        return None  # the MTP layers have no mHC boundaries to fuse an all-reduce into
+        # The runtime's draft could sum in fused exchanges (EmbedNorm, AllReduceNorm), but
+        # `unreduced()` does not yet switch off the MTP modules' all-reduces: vLLM's stay.
+        return None
 
     def attention(self, shard: int, layer: int, x: Tensor, placement: VllmStep) -> Tensor:
         block = self._mtp[layer].mtp_block

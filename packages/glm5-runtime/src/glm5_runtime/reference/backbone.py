@@ -80,6 +80,9 @@ class ReferenceBackbone:
     def tokens(self, placement: Step) -> int:
         return placement.positions.numel()
 
+    def positions(self, placement: Step) -> Tensor:
+        return placement.positions
+
     def rows(self, placement: Step) -> Mapping[str, Rows]:
         """vLLM's metadata for this step, as row counts: a decode (T = 1) or, with
         keep_states, a uniform verify of T tokens per request; T > 1 without it is a prefill."""
