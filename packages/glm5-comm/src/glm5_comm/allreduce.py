@@ -75,23 +75,11 @@ class Mailbox:
     def new_state(device, polls: int = POLL_BUDGET) -> Tensor:
         return torch.tensor([0, 0, 0, polls], dtype=torch.int32, device=device)
 
-    @property
-    def step(self) -> Tensor:
-        return self.state[0:1]
-
-    @property
-    def arrive(self) -> Tensor:
-        return self.state[1:2]
-
-    @property
-    def failed(self) -> Tensor:
-        """[1] int32 on the device: 0, or the first timed-out wait's code."""
-        return self.state[2:3]
-
-    @property
-    def polls(self) -> Tensor:
-        """[1] int32 on the device: a tile's poll budget (set it before capture)."""
-        return self.state[3:4]
+    # The state words as [1] int32 device views, in the order the kernels index `state`.
+    step = property(lambda self: self.state[0:1])
+    arrive = property(lambda self: self.state[1:2])
+    failed = property(lambda self: self.state[2:3], doc="0, or the first timed-out wait's code")
+    polls = property(lambda self: self.state[3:4], doc="a tile's poll budget (set before capture)")
 
     def check(self, code: int | None = None) -> None:
         """Raise `ExchangeTimeout` if a wait on this mailbox timed out (`code`: the failure

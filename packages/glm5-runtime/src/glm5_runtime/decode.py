@@ -323,6 +323,17 @@ class LayerStages:
         """Whether sublayers leave their outputs TP-partial for a fused boundary."""
         return False
 
+    def _mailbox(self, hidden: int, max_tokens: int, dtype=torch.int16):
+        """The backbone's mailbox for an exchange stage (seam 6), None where this process
+        holds every shard; an error where it holds several of a TP group across processes
+        (an exchange moves one shard a process)."""
+        b = self.backbone
+        mailbox = b.mailbox(hidden, max_tokens, dtype)
+        if mailbox is not None and len(b.shards) != 1:
+            raise ValueError(f"shards {list(b.shards)} in a process of a TP group: an "
+                             "exchange moves one shard a process")  # fmt: skip
+        return mailbox
+
     def attention(self, layer, x: Tensor, placement: Any) -> Tensor:
         """The layer's attention output, reduced or, where `partial`, this process's
         TP-partial one (projections routed per the policy)."""
@@ -375,12 +386,9 @@ class SpecializedDecode(LayerStages):
         head = b.weight(b.shards[0], "lm_head.weight")
         if head is None:
             raise ValueError("no lm_head.weight")
-        mailbox = b.mailbox(head.shape[0], max(tokens), torch.int32)  # FP32 rows' bits
+        mailbox = self._mailbox(head.shape[0], max(tokens), torch.int32)  # FP32 rows' bits
         if mailbox is None:
             return
-        if len(b.shards) != 1:
-            raise ValueError(f"shards {list(b.shards)} in a process of a TP group: the "
-                             "gather moves one vocab shard a process")  # fmt: skip
         op = LogitsGather(mailbox)
         self._add(op, tokens, None, None)  # not a route: compute_logits calls it
         self.logits_gather, self.gather_tokens = op, frozenset(tokens)
@@ -409,13 +417,8 @@ class SpecializedDecode(LayerStages):
         op.check_weights(*sites[self.layers[0].index, "attn"][:3], final)
         # TP ranks in other processes: the boundaries all-reduce the partial outputs
         # themselves (compiled with the exchange, every process alike).
-        mailbox = b.mailbox(b.hidden_size, max(tokens))
-        exchange = None
-        if mailbox is not None:
-            if len(b.shards) != 1:
-                raise ValueError(f"shards {list(b.shards)} in a process of a TP group: the "
-                                 "fused all-reduce sums one shard a process")  # fmt: skip
-            exchange = AllReduceBoundary(mailbox, op)
+        mailbox = self._mailbox(b.hidden_size, max(tokens))
+        exchange = None if mailbox is None else AllReduceBoundary(mailbox, op)
         self._add(exchange or op, tokens, None, None)  # not a route: `run` calls it
         self.mhc, self.exchange = op, exchange
         self.mhc_tokens, self._sites = frozenset(tokens), sites
