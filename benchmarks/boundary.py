@@ -1,6 +1,7 @@
 """The mHC boundary of GLM-5.3-Flash decode (4 streams x hidden 4096) on one GPU: the
 previous sublayer's post, the next one's pre (mix, 20 Sinkhorn iterations) and its input
-RMSNorm. Ours (`MhcBoundary.post_pre`, one launch) vs the stock sequence (the backbone's torch
+RMSNorm. Ours (`MhcBoundary.post_pre`, one launch: the Triton kernel, path `triton`, or the
+CuTe DSL cluster kernel, path `cute`) vs the stock sequence (the backbone's torch
 ops: post, pre, norm, as the reference backbone and vLLM's native path run them), and the HBM
 floor (x, the streams read and written, fn, the norm weight and the normed output ÷
 `hbm_bandwidth()` measured in the same run). World size 1: no all-reduce (`nccl_us` null).
@@ -8,7 +9,8 @@ floor (x, the streams read and written, fn, the norm weight and the normed outpu
 Timing: CUDA-graph replays, median, every call on its own copy of the weights and inputs
 (more than L2 in all). Launches: kernel nodes of one boundary's captured graph. Each
 boundary is checked against the stock output before it is timed. `--sweep` times the plan's
-tile variants (tokens per CTA x columns per CTA) at each token count.
+tile variants (Triton: tokens per CTA x columns per CTA; CuTe: tokens per cluster) at each
+token count.
 
     PYTHONPATH=packages/glm5-kernels/src:packages/glm5-runtime/src:packages/glm5-policy/src \\
         python benchmarks/boundary.py --out benchmarks/results/boundary_h200.json
@@ -59,7 +61,11 @@ def boundary_bytes(m: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", default="1,2,4,8,16,32,64")
+    parser.add_argument("--paths", default="triton,cute", help="kernels to time")
     parser.add_argument("--sweep", action="store_true", help="time tile variants")
+    parser.add_argument("--profile", action="store_true",
+                        help="one eager boundary per path and token count, nothing timed (for "
+                             "`ncu -k regex:'hc_boundary|CuteBoundary'`)")  # fmt: skip
     result_args(parser)
     args = parser.parse_args()
     if args.table:
@@ -67,41 +73,76 @@ def main() -> None:
         return
     gen = torch.Generator("cuda").manual_seed(0)
     bw = floor_bandwidth()
-    op = MhcBoundary(CONFIG, device="cuda")
+    paths = args.paths.split(",")
+    ops = {"triton": MhcBoundary(CONFIG, device="cuda")}
+    if "cute" in paths:
+        ops["cute"] = MhcBoundary(CONFIG, device="cuda", cute_tokens=range(1, 65))
+    if args.profile:
+        for m in (int(t) for t in args.tokens.split(",")):
+            for path in paths:
+                ops[path].post_pre(*inputs(m, gen))
+        torch.cuda.synchronize()
+        return
     rows, sweep, start = [], [], time.perf_counter()
     for m in (int(t) for t in args.tokens.split(",")):
         sets = [inputs(m, gen) for _ in range(COPIES)]
         stocks = [stock(s) for s in sets]
-        ours = [lambda s=s: op.post_pre(*s) for s in sets]
-        want, got = stocks[0](), ours[0]()
-        err = max(((g.float() - w.float()).abs().max() / w.float().abs().max()).item()
-                  for g, w in zip(got, want, strict=True))  # fmt: skip
+        want = stocks[0]()
         floor = boundary_bytes(m) / bw * 1e6
-        stock_us, us = graph_calls_us(stocks), graph_calls_us(ours)
-        row = {"world": 1, "tokens": m, "us": us, "stock_us": stock_us, "nccl_us": None,
-               "floor_us": floor, "floor_ratio": us / floor, "speedup_vs_stock": stock_us / us,
-               "launches": call_launches(ours[0]), "stock_launches": call_launches(stocks[0]),
-               "max_rel_error": err, "plan": vars(op.plans[m])}  # fmt: skip
-        rows.append(row)
-        print(f"T={m:2d}: {us:6.2f} µs (floor {floor:5.2f}, ×{us / floor:.2f}) stock "
-              f"{stock_us:7.1f} µs [{row['launches']} vs {row['stock_launches']} launches] "
-              f"err {err:.1e} plan {op.plans[m]}")  # fmt: skip
-        if args.sweep:
-            best = op.plans[m]
-            for bd in (32, 64, 128, 256):
-                for warps in (4, 8):
-                    op.plans[m] = op._tiles(m, bd, warps)
-                    if not op.plans[m].fused:
-                        continue
-                    t = graph_calls_us(ours)
-                    sweep.append({"tokens": m, "bd": bd, "warps": warps, "us": t})
-                    print(f"   bd {bd:3d} warps {warps}: {t:6.2f} µs")
-            op.plans[m] = best
+        stock_us = graph_calls_us(stocks)
+        for path in paths:
+            op = ops[path]
+            ours = [lambda s=s, op=op: op.post_pre(*s) for s in sets]
+            got = ours[0]()
+            if path == "cute":
+                assert m in op.cute_tokens, "the CuTe DSL boundary did not build"
+            err = max(((g.float() - w.float()).abs().max() / w.float().abs().max()).item()
+                      for g, w in zip(got, want, strict=True))  # fmt: skip
+            us = graph_calls_us(ours)
+            plan = {"tb": op.cute_tb(m)} if path == "cute" else vars(op.plans[m])
+            row = {"world": 1, "tokens": m, "path": path, "us": us, "stock_us": stock_us,
+                   "nccl_us": None, "floor_us": floor, "floor_ratio": us / floor,
+                   "speedup_vs_stock": stock_us / us, "launches": call_launches(ours[0]),
+                   "stock_launches": call_launches(stocks[0]), "max_rel_error": err,
+                   "plan": plan}  # fmt: skip
+            rows.append(row)
+            print(f"T={m:2d} {path:6s}: {us:6.2f} µs (floor {floor:5.2f}, ×{us / floor:.2f}) "
+                  f"stock {stock_us:7.1f} µs [{row['launches']} vs {row['stock_launches']} "
+                  f"launches] err {err:.1e} plan {plan}")  # fmt: skip
+            if args.sweep:
+                sweep += _sweep(path, op, m, ours)
     result = provenance("boundary", args) | {
         "hbm_bytes_per_s": bw, "config": vars(CONFIG), "rows": rows, "sweep": sweep,
         "seconds": time.perf_counter() - start,
     }  # fmt: skip
     write_result(args.out, result)
+
+
+def _sweep(path: str, op: MhcBoundary, m: int, ours) -> list[dict]:
+    """The tile variants of one path at m tokens, timed (the plan restored after)."""
+    out = []
+    if path == "cute":
+        for tb in (1, 2, 4, 8):
+            if -(-m // tb) > 16:  # more clusters than GPCs x 2 could hold at once
+                continue
+            op.cute_tb = lambda _m, tb=tb: tb
+            ours[0]()  # compiled outside the capture
+            t = graph_calls_us(ours)
+            out.append({"tokens": m, "path": path, "tb": tb, "us": t})
+            print(f"   tb {tb}: {t:6.2f} µs")
+        del op.cute_tb
+        return out
+    best = op.plans[m]
+    for bd in (32, 64, 128, 256):
+        for warps in (4, 8):
+            op.plans[m] = op._tiles(m, bd, warps)
+            if not op.plans[m].fused:
+                continue
+            t = graph_calls_us(ours)
+            out.append({"tokens": m, "path": path, "bd": bd, "warps": warps, "us": t})
+            print(f"   bd {bd:3d} warps {warps}: {t:6.2f} µs")
+    op.plans[m] = best
+    return out
 
 
 def table(path: str) -> str:
@@ -110,12 +151,13 @@ def table(path: str) -> str:
     out = [
         f"{result['gpu']}, {result['date']}, commit {result['commit']}: `{result['command']}`",
         "",
-        "| world | tokens | fused µs (× floor) | launches | stock µs | launches | speedup |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| world | tokens | path | µs (× floor) | launches | stock µs | launches | speedup |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["rows"]:
         out.append(
-            f"| {r['world']} | {r['tokens']} | {r['us']:.2f} ({r['floor_ratio']:.2f}×) | "
+            f"| {r['world']} | {r['tokens']} | {r.get('path', 'triton')} | "
+            f"{r['us']:.2f} ({r['floor_ratio']:.2f}×) | "
             f"{r['launches']} | {r['stock_us']:.1f} | {r['stock_launches']} | "
             f"{r['speedup_vs_stock']:.0f}× |"
         )

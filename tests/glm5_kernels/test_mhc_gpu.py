@@ -1,5 +1,6 @@
-"""The mHC boundary kernel on the GPU at GLM-5.3-Flash's shape (4 streams x 4096), in its
-one-launch form (grid barrier per token block): every boundary against the references at
+"""The mHC boundary kernels on the GPU at GLM-5.3-Flash's shape (4 streams x 4096) — the
+Triton one in its one-launch form (grid barrier per token block) and the CuTe DSL one
+(a cluster per token group): every boundary against the references at
 token counts on and off the token blocks with NaN-poisoned outputs; the barrier reused by
 hundreds of launches in a row and by CUDA-graph replays, bit for bit the same each time.
 
@@ -34,19 +35,24 @@ pytestmark = pytest.mark.gpu
 TOKENS = [1, 2, 3, 8, 13, 16, 47, 64]
 
 
-@pytest.fixture(scope="module")
-def setup():
+@pytest.fixture(scope="module", params=["triton", "cute"])
+def setup(request):
     c = config(4096)
     gen = torch.Generator("cuda").manual_seed(5)
-    op = MhcBoundary(c, device="cuda")
+    if request.param == "cute":
+        pytest.importorskip("cutlass", reason="the CuTe DSL (glm5-kernels[cute]) is not installed")
+    op = MhcBoundary(c, device="cuda", cute_tokens=TOKENS if request.param == "cute" else ())
     op.prepare(TOKENS)
+    if request.param == "cute":  # built for every token count, not fallen back to Triton
+        assert op.cute_tokens == frozenset(TOKENS)
+        assert len(op._cute) == len({op.cute_tb(m) for m in TOKENS}) * 3
     return c, op, site_weights(c, "cuda", gen), gen
 
 
 @pytest.mark.parametrize("m", TOKENS)
 def test_boundaries_match_reference(setup, m):
     c, op, (fn, scale, base, norm), gen = setup
-    assert op.plans[m].fused, "the one-launch form is what the GPU runs"
+    assert op.cute_tokens or op.plans[m].fused, "the one-launch form is what the GPU runs"
     x, streams, post, comb = boundary_inputs(c, m, "cuda", gen)
     eps = {"rms_eps": c.rms_eps, "hc_eps": c.hc_eps, "sinkhorn_iters": c.sinkhorn_iters}
 

@@ -9,6 +9,12 @@ are ~80). Here each is one kernel (`triton_mhc.hc_boundary_kernel`):
     post_pre(y, streams, post, comb, ...)    every other boundary (hc_fused_post_pre_ref)
     head(y, streams, post, comb, norm)       the last: post, the streams' mean, final norm
 
+Two kernels compute the same boundary: the Triton one (`triton_mhc`, every world size) and
+the CuTe DSL one (`cute_mhc`, world size 1: a thread-block cluster whose CTAs combine their
+row sums through distributed shared memory), chosen per token count (`cute_tokens`, the
+policy's `boundary` stage); where the CuTe DSL is missing or a kernel does not build, one
+warning and the Triton kernel.
+
 Numerics: the streams round as transformers' BF16 post does (bit-equal); mix, Sinkhorn and
 norms run in FP32. The norm's 1/rms comes from the streams' Gram matrix (the unrounded
 collapse), so a normed value may land on the neighbouring BF16 of the reference's.
@@ -19,6 +25,7 @@ barrier words) is reused by each call in stream order.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +34,8 @@ from torch import Tensor
 from glm5_kernels.gemm.linear import _capturing, _interpreting, _pdl, _sms
 
 __all__ = ["MhcBoundary", "MhcConfig"]
+
+logger = logging.getLogger(__name__)
 
 GIVEN, EXPAND, POST = 0, 1, 2  # the kernel's MODE: where its streams come from
 
@@ -79,9 +88,11 @@ def _pow2(n: int) -> int:
 
 
 class MhcBoundary:
-    """mHC boundaries of `config`'s shape for 1..`max_tokens` tokens on `device`."""
+    """mHC boundaries of `config`'s shape for 1..`max_tokens` tokens on `device`; the token
+    counts in `cute_tokens` run the CuTe DSL kernel where it can (world size 1)."""
 
-    def __init__(self, config: MhcConfig, *, max_tokens: int = 64, device="cuda"):
+    def __init__(self, config: MhcConfig, *, max_tokens: int = 64, device="cuda",
+                 cute_tokens=()):  # fmt: skip
         if config.hc != 4:
             raise ValueError(f"MhcBoundary: hc={config.hc}, the kernel is built for 4 streams")
         if config.sinkhorn_iters < 1:
@@ -101,10 +112,19 @@ class MhcBoundary:
         self._part = torch.zeros(self._max_splits, max_tokens, pw, device=self._device)
         self._sum = torch.zeros(max_tokens, pw, device=self._device)
         self._bar = torch.zeros(-(-max_tokens // 16), dtype=torch.int32, device=self._device)
+        # Unused pointers of the CuTe kernel (never read where MODE / HEAD / STORE say so).
+        self._spare_f32 = torch.zeros(1, device=self._device)
+        self._spare_bf16 = torch.zeros(1, dtype=torch.bfloat16, device=self._device)
         self._xr: Tensor | None = None  # an exchange's reduced rows between two phases
         # The weight dtypes `check_weights` has seen: `prepare` compiles for each (a first
         # launch inside a CUDA-graph capture must not compile).
         self._dtypes: set[tuple[torch.dtype, ...]] = set()
+        self.cute_tokens = frozenset(m for m in cute_tokens if self.supports(m))
+        self._cute: dict[tuple, object] = {}  # compiled CuTe kernels by static configuration
+        if self.cute_tokens and (reason := self._cute_unavailable()):
+            logger.warning("MhcBoundary: the CuTe DSL boundary %s; the Triton kernel runs "
+                           "instead", reason)  # fmt: skip
+            self.cute_tokens = frozenset()
 
     def _plan(self, m: int) -> _Plan:
         """Token blocks of 16 (the mix dot's M). Columns per CTA from the H200 sweep of
@@ -127,6 +147,27 @@ class MhcBoundary:
         sr = max(1, min(_pow2(splits), 64 * 32 * warps // (rows * 64)))
         fused = not self._interp and blocks * splits <= self._sms
         return _Plan(bd, splits, sr, fused, warps)
+
+    def _cute_unavailable(self) -> str | None:
+        """Why the CuTe DSL kernel cannot run here, or None."""
+        d = self.config.hidden
+        if self._interp or self._device.type != "cuda":
+            return "runs on a CUDA device only"
+        if torch.cuda.get_device_capability(self._device)[0] < 9:
+            return "needs thread-block clusters (SM90 or newer)"
+        if d % 16 or not (32 <= d // 16 <= 1024 and (d // 16) % 32 == 0):
+            return f"needs hidden / 16 a multiple of 32 up to 1024 (hidden {d})"
+        try:
+            import glm5_kernels.mhc.cute_mhc  # noqa: F401
+        except ImportError as e:
+            return f"needs nvidia-cutlass-dsl (glm5-kernels[cute]): {e}"
+        return None
+
+    @staticmethod
+    def cute_tb(m: int) -> int:
+        """Tokens a cluster: at most 8 clusters of 16 CTAs (128 SMs), each as few tokens as
+        that allows (the mix GEMV's FMAs a CTA grow with its tokens)."""
+        return next(tb for tb in (1, 2, 4, 8) if -(-m // tb) <= 8)
 
     def supports(self, m: int) -> bool:
         return 1 <= m <= self.max_tokens
@@ -189,7 +230,6 @@ class MhcBoundary:
         world = 1 if exchange is None else exchange.world
         if world > 1:
             self._check_exchange(exchange, m)
-        p = self.plans[m]
         dev, h, d = self._device, c.hc, c.hidden
         store = not head and mode != GIVEN  # the new streams are an output
         if out is None:
@@ -200,6 +240,12 @@ class MhcBoundary:
                 torch.empty(m, d, dtype=torch.bfloat16, device=dev),
             )
         new, post_out, comb_out, normed = out
+        if world == 1 and m in self.cute_tokens:
+            tensors = (x, streams, post, comb, fn, scale, base, norm, new, post_out, comb_out,
+                       normed)  # fmt: skip
+            if self._run_cute(mode, head, store, m, tensors):
+                return (streams if mode == GIVEN else new), post_out, comb_out, normed
+        p = self.plans[m]
         dummy = normed  # never read where a pointer is unused (MODE / HEAD / STORE say so)
         args = [
             x if x is not None else dummy,
@@ -234,6 +280,41 @@ class MhcBoundary:
         for phase in (0,) if p.fused else (1, 2):
             self._kernel[grid](*args, PHASE=phase, **meta)
         return (streams if mode == GIVEN else new), post_out, comb_out, normed
+
+    def _run_cute(self, mode, head, store, m, tensors) -> bool:
+        """The boundary by the CuTe DSL kernel (compiled on first use; never inside a
+        capture), or False where it does not build (one warning: the Triton kernel from
+        then on)."""
+        from glm5_kernels.mhc import cute_mhc
+
+        c, tb = self.config, self.cute_tb(m)
+        names = tuple(str(t.dtype).removeprefix("torch.") if t is not None else None
+                      for t in tensors[4:8])  # fmt: skip
+        weights = tuple(n or "float32" for n in names)
+        key = (mode, head, store, tb, weights)
+        if key not in self._cute:
+            if _capturing():
+                raise RuntimeError(f"MhcBoundary: {m} tokens were not prepared; call "
+                                   "prepare() before CUDA-graph capture (a capture must never "
+                                   "compile)")  # fmt: skip
+            try:
+                self._cute[key] = cute_mhc.compile_boundary(
+                    cute_mhc.slot_dtypes(weights), mode=mode, head=head, store=store, tb=tb,
+                    hidden=c.hidden, rms_eps=c.rms_eps, hc_eps=c.hc_eps, norm_eps=c.norm_eps,
+                    post_mult=c.post_mult, sinkhorn_iters=c.sinkhorn_iters, pdl=self._pdl,
+                )  # fmt: skip
+            except Exception as e:  # a DSL or toolchain failure: the Triton kernel serves
+                logger.warning("MhcBoundary: the CuTe DSL boundary did not build (%s: %s); "
+                               "the Triton kernel runs instead", type(e).__name__, e)  # fmt: skip
+                self.cute_tokens = frozenset()
+                return False
+        spare = {torch.float32: self._spare_f32, torch.bfloat16: self._spare_bf16}
+        dtypes = cute_mhc.slot_dtypes(weights)
+        args = [t if t is not None else spare[getattr(torch, dt)]
+                for t, dt in zip(tensors, dtypes, strict=True)]  # fmt: skip
+        stream = torch.cuda.current_stream(self._device).cuda_stream
+        cute_mhc.launch(self._cute[key], args, m, stream)
+        return True
 
     def _exchange_args(self, exchange) -> tuple:
         """(xr, peers, state): xr keeps the reduced rows between two phases (one

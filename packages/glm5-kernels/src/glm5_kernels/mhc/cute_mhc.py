@@ -1,0 +1,381 @@
+"""CuTe DSL kernel of the mHC boundary: one thread-block cluster per group of tokens, the
+row sums combined through distributed shared memory.
+
+Same function and numerics as `triton_mhc.hc_boundary_kernel` (see `boundary.py`): the
+previous sublayer's post (or the embedding's expansion, or given streams), the next
+sublayer's pre (mix logits, Sinkhorn) and its input RMSNorm; HEAD: the final collapse (the
+streams' mean) and norm. What changes is the dependent chain between a row's column slices,
+which is the whole cost at decode sizes (the bytes allow ~0.4 µs):
+
+- A cluster of C = 16 CTAs owns TB tokens; CTA r owns hidden columns [r W, (r + 1) W),
+  W = D / C, one column a thread (all four streams). Clusters are independent: a step of
+  T tokens launches ceil(T / TB) of them, so every SM that holds a slice of fn works on few
+  tokens (the mix GEMV is 24 x 16384 FMAs a token; 16 SMs alone would take ~0.2 µs a token).
+- Before the PDL wait (nothing there depends on the previous kernel) each thread loads its
+  column of fn (24 x 4 FP32: 96 KB a CTA, in registers) and of the norm weight, and CTA
+  rank 0's mbarrier is armed; the cluster's arrive is issued there too, its wait just
+  before the first remote store.
+- The partial sums a row needs (24 mix logits, the streams' 10 Gram products) are reduced
+  inside a warp by a reduce-scatter butterfly (31 + 10 shuffles for 34 values, not 170),
+  across warps through shared memory, and across the cluster by `st.async` into every
+  peer's shared memory, completing on the peer's mbarrier (no global atomics, no flag in
+  global memory). Every CTA sums the C partials in rank order: all hold bit-identical
+  totals, as the Triton kernel's deterministic split order does.
+- Sinkhorn (19 dependent iterations of a 4 x 4 matrix, ~1 µs) runs on one lane per token in
+  CTA rank 0's warp 0 while every other warp collapses, normalizes and stores its columns.
+- The streams are stored as soon as they are computed, before any reduction.
+
+World size 1 only: the TP exchange (glm5_kernels.exchange) stays with the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T as _T
+from cutlass.cutlass_dsl import dsl_user_op
+
+H = 4  # residual streams (GLM-5.3-Flash)
+NMIX = (2 + H) * H  # mix logits: pre [H], post [H], comb [H, H]
+GRAM = ((0, 0), (0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3), (2, 2), (2, 3), (3, 3))
+NPART = NMIX + len(GRAM)  # the partial sums of one token: 34
+CLUSTER = 16  # CTAs a cluster (H100 / H200 allow 16 with the non-portable attribute)
+GIVEN, EXPAND, POST = 0, 1, 2  # where the streams come from (boundary.py's MODE)
+
+
+@dsl_user_op
+def _peer_address(addr: Int32, peer: Int32, *, loc=None, ip=None) -> Int32:
+    """A shared-memory address of this CTA mapped to the same offset in CTA `peer`."""
+    return Int32(
+        llvm.inline_asm(
+            _T.i32(), [Int32(addr).ir_value(loc=loc, ip=ip), Int32(peer).ir_value(loc=loc, ip=ip)],
+            "mapa.shared::cluster.u32 $0, $1, $2;", "=r,r,r",
+            has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )  # fmt: skip
+
+
+@dsl_user_op
+def _push(value: Float32, addr: Int32, mbar: Int32, peer: Int32, *, loc=None, ip=None) -> None:
+    """value into CTA `peer`'s shared memory at this CTA's offset `addr`, completing 4 bytes
+    of the transaction count of the peer's mbarrier (at this CTA's offset `mbar`)."""
+    dst = _peer_address(addr, peer, loc=loc, ip=ip)
+    bar = _peer_address(mbar, peer, loc=loc, ip=ip)
+    llvm.inline_asm(
+        None,
+        [dst.ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip),
+         bar.ir_value(loc=loc, ip=ip)],
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [$0], $1, [$2];", "r,f,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )  # fmt: skip
+
+
+def _bf16(x: Float32) -> Float32:
+    """x rounded to BF16 (round to nearest even), held in FP32."""
+    return x.to(BFloat16).to(Float32)
+
+
+def _sigmoid(x: Float32) -> Float32:
+    return 1.0 / (1.0 + cute.math.exp(-x))
+
+
+def _reduce_scatter(v: list, lane: Int32) -> Float32:
+    """The warp's sum of v[lane] for 32 values a lane: each butterfly step keeps half of the
+    values (the half this lane's bit selects) and adds the partner's copy of it."""
+    m = 16
+    while m >= 1:
+        upper = (lane & m) != 0
+        kept = []
+        for i in range(m):
+            send = cutlass.select_(upper, v[i], v[i + m])
+            keep = cutlass.select_(upper, v[i + m], v[i])
+            kept.append(keep + cute.arch.shuffle_sync_bfly(send, offset=m))
+        v = kept
+        m //= 2
+    return v[0]
+
+
+def _norm4(a: Float32, b: Float32, c: Float32, d: Float32, eps: Float32):
+    """Four values / (their sum + eps): one reciprocal, four products (Sinkhorn's step; the
+    product by the reciprocal is within one FP32 rounding of the quotient)."""
+    inv = 1.0 / (a + b + c + d + eps)
+    return a * inv, b * inv, c * inv, d * inv
+
+
+class CuteBoundary:
+    """The kernel for one static configuration: `mode` (GIVEN / EXPAND / POST), `head`,
+    `store` (the new streams are an output), `tb` tokens a cluster, hidden `D`, the model's
+    eps constants and Sinkhorn iterations."""
+
+    def __init__(self, *, mode: int, head: bool, store: bool, tb: int, hidden: int,
+                 rms_eps: float, hc_eps: float, norm_eps: float, post_mult: float,
+                 sinkhorn_iters: int, pdl: bool):  # fmt: skip
+        assert hidden % CLUSTER == 0 and 32 <= hidden // CLUSTER <= 1024
+        assert (hidden // CLUSTER) % 32 == 0, "whole warps of columns"
+        self.mode, self.head, self.store, self.tb = mode, head, store, tb
+        self.D, self.W = hidden, hidden // CLUSTER
+        self.rms_eps, self.hc_eps, self.norm_eps = rms_eps, hc_eps, norm_eps
+        self.post_mult, self.iters, self.pdl = post_mult, sinkhorn_iters, pdl
+        self.warps = self.W // 32
+
+    @cute.jit
+    def __call__(
+        self,
+        pX: cute.Pointer,  # (T, D) BF16: the sublayer output (POST) or the embedding (EXPAND)
+        pRes: cute.Pointer,  # (T, H, D) BF16: the streams before (POST, GIVEN)
+        pPost: cute.Pointer,  # (T, H) FP32 (POST)
+        pComb: cute.Pointer,  # (T, H, H) FP32, comb[j, h]: stream j into stream h (POST)
+        pFn: cute.Pointer,  # (NMIX, H * D) FP32 or BF16: the next sublayer's mix weights
+        pScale: cute.Pointer,  # (3,)
+        pBase: cute.Pointer,  # (NMIX,)
+        pNorm: cute.Pointer,  # (D,) the next sublayer's (or the final) norm weight
+        pStreams: cute.Pointer,  # (T, H, D) BF16 out (store)
+        pPostOut: cute.Pointer,  # (T, H) FP32 out
+        pCombOut: cute.Pointer,  # (T, H, H) FP32 out
+        pNormed: cute.Pointer,  # (T, D) BF16 out
+        tokens: Int32,
+        stream,
+    ):
+        D = self.D
+        row = lambda p, n: cute.make_tensor(p, cute.make_layout((tokens, n), stride=(n, 1)))  # noqa: E731
+        flat = lambda p, n: cute.make_tensor(p, cute.make_layout(n))  # noqa: E731
+        self.kernel(
+            row(pX, D), row(pRes, H * D), row(pPost, H), row(pComb, H * H),
+            cute.make_tensor(pFn, cute.make_layout((NMIX, H * D), stride=(H * D, 1))),
+            flat(pScale, 3), flat(pBase, NMIX), flat(pNorm, D),
+            row(pStreams, H * D), row(pPostOut, H), row(pCombOut, H * H), row(pNormed, D),
+            tokens,
+        ).launch(
+            grid=[CLUSTER, cute.ceil_div(tokens, self.tb), 1], block=[self.W, 1, 1],
+            cluster=[CLUSTER, 1, 1], stream=stream, use_pdl=self.pdl,
+        )  # fmt: skip
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mRes: cute.Tensor, mPost: cute.Tensor,
+               mComb: cute.Tensor, mFn: cute.Tensor, mScale: cute.Tensor, mBase: cute.Tensor,
+               mNorm: cute.Tensor, mStreams: cute.Tensor, mPostOut: cute.Tensor,
+               mCombOut: cute.Tensor, mNormed: cute.Tensor, tokens: Int32):  # fmt: skip
+        D, W, TB = self.D, self.W, self.tb
+        tid, _, _ = cute.arch.thread_idx()
+        _, group, _ = cute.arch.block_idx()
+        rank = cute.arch.block_idx_in_cluster()
+        lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
+        col = rank * W + tid
+        t0 = group * TB
+
+        smem = cutlass.memory.SmemAllocator()
+        # Each warp's partial sums, then each CTA's (written by the peers), then the totals.
+        sWarp = smem.allocate_tensor(Float32, cute.make_layout((TB, self.warps, NPART)), 16)
+        sPeer = smem.allocate_tensor(Float32, cute.make_layout((CLUSTER, TB, NPART)), 16)
+        sTot = smem.allocate_tensor(Float32, cute.make_layout((TB, NPART)), 16)
+        mbar = smem.allocate_array(cutlass.Int64, 1)
+
+        # Independent of the previous kernel: the weights, and the mbarrier that counts the
+        # peers' bytes (armed for all of them at once: a phase completes only when the
+        # arrival and every byte are in, in any order).
+        if tid == 0:
+            cute.arch.mbarrier_init(mbar, 1)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar, CLUSTER * TB * NPART * 4)
+        cute.arch.cluster_arrive_relaxed()
+        rFn = cute.make_rmem_tensor(cute.make_layout((NMIX, H)), Float32)
+        if const_expr(not self.head):
+            for j in cutlass.range_constexpr(NMIX):
+                for h in cutlass.range_constexpr(H):
+                    rFn[j, h] = mFn[j, h * D + col].to(Float32)
+        w = mNorm[col].to(Float32)
+        if const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
+
+        # Phase 1: the streams of this column, stored, and their partial sums.
+        rS = cute.make_rmem_tensor(cute.make_layout((TB, H)), Float32)
+        for i in cutlass.range_constexpr(TB):
+            t = t0 + i
+            for h in cutlass.range_constexpr(H):
+                rS[i, h] = Float32(0.0)
+            if t < tokens:
+                self._streams(rS, i, t, col, mX, mRes, mPost, mComb)
+                if const_expr(self.store):
+                    for h in cutlass.range_constexpr(H):
+                        mStreams[t, h * D + col] = rS[i, h].to(BFloat16)
+        for i in cutlass.range_constexpr(TB):
+            part = []
+            for j in cutlass.range_constexpr(NMIX):
+                acc = Float32(0.0)
+                if const_expr(not self.head):
+                    for h in cutlass.range_constexpr(H):
+                        acc += rFn[j, h] * rS[i, h]
+                part.append(acc)
+            for a, b in GRAM:
+                part.append(rS[i, a] * rS[i, b])
+            mine = _reduce_scatter(part[:32], lane)
+            extra = [cute.arch.warp_reduction(p, operator.add) for p in part[32:]]
+            sWarp[i, warp, lane] = mine
+            if lane == 0:
+                for k in cutlass.range_constexpr(NPART - 32):
+                    sWarp[i, warp, 32 + k] = extra[k]
+        cute.arch.barrier()
+
+        # The CTA's partials to every CTA of the cluster (their sPeer[rank]), once every
+        # peer's mbarrier is armed (the cluster wait).
+        cute.arch.cluster_wait()
+        peer_base = sPeer.iterator.toint()
+        mbar_addr = mbar.toint()
+        for k in cutlass.range(tid, TB * NPART, W):
+            i, v = k // NPART, k % NPART
+            p = Float32(0.0)
+            for wi in cutlass.range_constexpr(self.warps):
+                p += sWarp[i, wi, v]
+            addr = peer_base + (rank * TB * NPART + k) * 4
+            for peer in cutlass.range_constexpr(CLUSTER):
+                _push(p, addr, mbar_addr, Int32(peer))
+        cute.arch.mbarrier_wait(mbar, 0)
+        for k in cutlass.range(tid, TB * NPART, W):
+            i, v = k // NPART, k % NPART
+            s = Float32(0.0)
+            for r in cutlass.range_constexpr(CLUSTER):
+                s += sPeer[r, i, v]
+            sTot[i, v] = s
+        cute.arch.barrier()
+
+        # Phase 2: post and Sinkhorn (one lane a token), the collapse and norm (every column).
+        if const_expr(not self.head):  # noqa: SIM102 (a compile-time branch, then a run-time one)
+            if (rank == 0) & (warp == 0) & (lane < TB):
+                t = t0 + lane
+                if t < tokens:
+                    self._post_comb(sTot, lane, t, mScale, mBase, mPostOut, mCombOut)
+        for i in cutlass.range_constexpr(TB):
+            t = t0 + i
+            if t < tokens:
+                self._normed(sTot, rS, i, t, col, w, mScale, mBase, mNormed)
+
+    def _streams(self, rS, i, t, col, mX, mRes, mPost, mComb):
+        """rS[i, :] = the streams of token t at column col (FP32 holding BF16 values)."""
+        D = self.D
+        if const_expr(self.mode == GIVEN):
+            for h in range(H):
+                rS[i, h] = mRes[t, h * D + col].to(Float32)
+        elif const_expr(self.mode == EXPAND):
+            x = mX[t, col].to(Float32)
+            for h in range(H):
+                rS[i, h] = x
+        else:
+            # transformers' order in the model dtype: post * y, comb^T @ streams (FP32
+            # accumulation, one rounding), then their sum.
+            x = mX[t, col].to(Float32)
+            r = [mRes[t, j * D + col].to(Float32) for j in range(H)]
+            for h in range(H):
+                placed = _bf16(_bf16(mPost[t, h]) * x)
+                mixed = Float32(0.0)
+                for j in range(H):
+                    mixed += _bf16(mComb[t, j * H + h]) * r[j]
+                rS[i, h] = _bf16(placed + _bf16(mixed))
+
+    def _gram(self, tot, i):
+        """The streams' Gram matrix of token slot i, and the mix input's 1/rms (the row's sum
+        of squares is trace(G))."""
+        g = {}
+        for n, (a, b) in enumerate(GRAM):
+            g[a, b] = tot[i, NMIX + n]
+            g[b, a] = g[a, b]
+        trace = g[0, 0] + g[1, 1] + g[2, 2] + g[3, 3]
+        return g, cute.math.rsqrt(trace / (H * self.D) + self.rms_eps)
+
+    def _pre(self, tot, i, mScale, mBase):
+        """pre [H] of token slot i from the totals (HEAD: the mean), and the Gram matrix."""
+        g, r = self._gram(tot, i)
+        if const_expr(self.head):
+            pre = [Float32(0.25) for _ in range(H)]
+        else:
+            s0 = mScale[0].to(Float32)
+            pre = [_sigmoid(tot[i, h] * r * s0 + mBase[h].to(Float32)) + self.hc_eps
+                   for h in range(H)]  # fmt: skip
+        return pre, g
+
+    def _normed(self, tot, rS, i, t, col, w, mScale, mBase, mNormed):
+        pre, g = self._pre(tot, i, mScale, mBase)
+        # The collapsed row's sum of squares, pre^T G pre, without a pass over the row.
+        q = Float32(0.0)
+        for a in range(H):
+            inner = Float32(0.0)
+            for b in range(H):
+                inner += pre[b] * g[a, b]
+            q += pre[a] * inner
+        rstd = 1.0 / cute.math.sqrt(q / self.D + self.norm_eps)
+        collapsed = Float32(0.0)
+        for h in range(H):
+            collapsed += pre[h] * rS[i, h]
+        y = w * _bf16(_bf16(collapsed) * rstd)
+        mNormed[t, col] = y.to(BFloat16)
+
+    def _post_comb(self, tot, i, t, mScale, mBase, mPostOut, mCombOut):
+        """post [H] and comb = Sinkhorn(softmax_rows(m * gain + b) + eps) [H, H] of token t,
+        as the reference iterates it (columns first), the 4 x 4 matrix in registers."""
+        _, r = self._gram(tot, i)
+        s1, s2 = mScale[1].to(Float32), mScale[2].to(Float32)
+        for h in range(H):
+            z = tot[i, H + h] * r * s1 + mBase[H + h].to(Float32)
+            mPostOut[t, h] = self.post_mult * _sigmoid(z)
+        eps = Float32(self.hc_eps)
+        c = [[tot[i, 2 * H + a * H + b] * r * s2 + mBase[2 * H + a * H + b].to(Float32)
+              for b in range(H)] for a in range(H)]  # fmt: skip
+        for a in range(H):  # softmax over each row, + eps
+            top = cute.arch.fmax(cute.arch.fmax(c[a][0], c[a][1]), cute.arch.fmax(c[a][2], c[a][3]))
+            e = [cute.math.exp(c[a][b] - top) for b in range(H)]
+            inv = 1.0 / (e[0] + e[1] + e[2] + e[3])
+            c[a] = [e[b] * inv + eps for b in range(H)]
+        c = self._columns(c, eps)
+        for _ in range(self.iters - 1):
+            c = [list(_norm4(*c[a], eps)) for a in range(H)]
+            c = self._columns(c, eps)
+        for a in range(H):
+            for b in range(H):
+                mCombOut[t, a * H + b] = c[a][b]
+
+    def _columns(self, c, eps):
+        cols = [_norm4(c[0][b], c[1][b], c[2][b], c[3][b], eps) for b in range(H)]
+        return [[cols[b][a] for b in range(H)] for a in range(H)]
+
+
+# Host side: one compiled kernel per static configuration, launched on raw pointers (no
+# per-call tensor conversion: a pointer is all the kernel's layouts need).
+
+_DTYPES = {"bfloat16": BFloat16, "float32": Float32}
+# The pointers' element types in argument order; fn, scale, base and norm follow the site's
+# weights (FP32 or BF16), an unused pointer keeps its slot's type.
+_SLOTS = ("bfloat16", "bfloat16", "float32", "float32", None, None, None, None,
+          "bfloat16", "float32", "float32", "bfloat16")  # fmt: skip
+
+
+def _pointer(dtype: str, address: int):
+    numeric = _DTYPES[dtype]
+    return cute.runtime.make_ptr(numeric, address, cute.AddressSpace.gmem,
+                                 assumed_align=numeric.width // 8)  # fmt: skip
+
+
+def slot_dtypes(weights: tuple[str, str, str, str]) -> tuple[str, ...]:
+    """The 12 pointers' dtypes for a site whose (fn, scale, base, norm) have `weights`."""
+    it = iter(weights)
+    return tuple(s if s is not None else next(it) for s in _SLOTS)
+
+
+def compile_boundary(dtypes: tuple[str, ...], **static):
+    """The compiled kernel for `static` (CuteBoundary's arguments) and the pointers' dtypes."""
+    import cuda.bindings.driver as cuda  # noqa: F401  (the stream type the kernel takes)
+
+    kernel = CuteBoundary(**static)
+    fake = [_pointer(dt, 0) for dt in dtypes]
+    return cute.compile(kernel, *fake, Int32(1), cute.runtime.make_fake_stream())
+
+
+def launch(compiled, tensors, tokens: int, stream: int) -> None:
+    """Run `compiled` on the 12 tensors (contiguous, of their slots' dtypes) for `tokens`."""
+    import cuda.bindings.driver as cuda
+
+    ptrs = [_pointer(str(t.dtype).removeprefix("torch."), t.data_ptr()) for t in tensors]
+    compiled(*ptrs, Int32(tokens), cuda.CUstream(stream))
