@@ -135,6 +135,32 @@ def problems_of(obj, **kw):
     return info.value.problems
 
 
+@pytest.mark.parametrize(
+    "ranges, overlap",
+    [
+        ({"1-4": "per_route", "4-8": "grouped"}, ("1-4", "4-8")),  # a shared endpoint
+        ({"1-4": "per_route", "4": "grouped"}, ("1-4", "4")),  # a single count on an end
+        ({"5-8": "grouped", "1-5": "per_route"}, ("1-5", "5-8")),  # out of order
+        ({"1-4": "per_route", "2-3": "grouped"}, ("1-4", "2-3")),  # one inside the other
+        ({"1-4": "per_route", "1-4 ": "grouped"}, ("1-4", "1-4 ")),  # the same range twice
+    ],
+)
+def test_ranges_that_share_a_count_overlap(ranges, overlap):
+    problems = problems_of({"moe": ranges})
+    assert problems == [f"policy['moe']: ranges {overlap[0]!r} and {overlap[1]!r} overlap"]
+
+
+@pytest.mark.parametrize("split", [("1-4", "5-8"), ("1-4", "5"), ("8-64", "1-7")])
+def test_touching_ranges_are_no_overlap(split):
+    """Adjacent ranges (4 then 5) share no count: both choices hold, each on its own counts."""
+    a, b = split
+    policy = Policy.from_json({"moe": {a: "per_route", b: "grouped"}})
+    first, last = (int(x) for x in (a.split("-") * 2)[:2])
+    other = [int(x) for x in (b.split("-") * 2)[:2]]
+    assert [policy("moe", m) for m in (first, last)] == ["per_route"] * 2
+    assert [policy("moe", m) for m in other] == ["grouped"] * 2
+
+
 def test_every_problem_is_named_with_its_key_path():
     problems = problems_of(
         {
