@@ -46,16 +46,19 @@ class DecodeConfig:
         capture_sizes: Any = (),
         policy: Any = None,
         family: str | None = None,
+        *,
+        strict_json: bool = False,
     ) -> DecodeConfig:
         """From plain values (e.g. vLLM's config and ``additional_config["policy"]``);
-        one PolicyError names every problem in any of them."""
+        one PolicyError names every problem in any of them. `strict_json`: the policy's
+        token keys must be strings, as in JSON text (what vLLM's config hash needs)."""
         problems = _check_fields(max_context, q, capture_sizes)
         table = {}
         if isinstance(policy, Policy):
             resolved: Policy | None = policy
         else:
             resolved = None
-            table = _parse(policy, "policy", problems)
+            table = _parse(policy, "policy", problems, strict_json)
         base = {}
         if family is not None and resolved is None:
             try:

@@ -3,11 +3,14 @@
 The JSON form (``additional_config["policy"]``) maps a stage to one of
   - a choice string: that choice at every token count 1..MAX_TOKENS;
   - ``null`` / ``false``: the stock path at every token count;
-  - a mapping from token counts (``8``, ``"8"``) or inclusive ranges (``"1-8"``) to a
-    choice or ``null`` (stock at those counts).
+  - a mapping from token counts (``8``, ``"8"``) or inclusive ranges (``"1-8"``), in ASCII
+    digits, to a choice or ``null`` (stock at those counts).
 A stage named in the user table replaces that stage's default entry whole; stages it does
-not name keep the GPU family's default. Every problem is reported at once, with its key
-path, in one ``PolicyError`` (a ``ValueError``).
+not name keep the GPU family's default. JSON text may not repeat a key (``json.loads``
+would keep the last one silently). ``strict_json`` refuses what JSON text cannot hold, a
+token key that is not a string: vLLM hashes ``additional_config`` as
+``json.dumps(..., sort_keys=True)``, which cannot order ``8`` beside ``"1-4"``. Every
+problem is reported at once, with its key path, in one ``PolicyError`` (a ``ValueError``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from .stages import FAMILIES, MAX_TOKENS, STAGES
 
 # (first, last, choice): an inclusive token range, sorted and disjoint within a stage.
 Range = tuple[int, int, str]
-_SPEC = re.compile(r"(\d+)(?:-(\d+))?")
+_SPEC = re.compile(r"([0-9]+)(?:-([0-9]+))?")  # not \d: int() reads "１-８" as 1-8 too
 
 
 class PolicyError(ValueError):
@@ -40,17 +43,45 @@ class PolicyError(ValueError):
         )
 
 
-def _span(key: Any, where: str, problems: list[str]) -> tuple[int, int] | None:
+class _Object(dict):
+    """A JSON object as parsed, with the keys its text repeated (json.loads keeps the last)."""
+
+    repeated: tuple[str, ...] = ()
+
+
+def _object(pairs: list[tuple[str, Any]]) -> _Object:
+    obj = _Object(pairs)
+    if len(obj) < len(pairs):
+        keys = [k for k, _ in pairs]
+        obj.repeated = tuple(k for k in obj if keys.count(k) > 1)
+    return obj
+
+
+def _repeats(obj: Any, where: str, problems: list[str]) -> None:
+    for key in getattr(obj, "repeated", ()):
+        problems.append(f"{where}: key {key!r} given more than once (JSON keeps only the last)")
+
+
+def _span(
+    key: Any, where: str, problems: list[str], strict_json: bool = False
+) -> tuple[int, int] | None:
     """The inclusive token range a table key names, or None after noting why not."""
     if isinstance(key, bool) or not isinstance(key, (int, str)):
         problems.append(f"{where}: token key must be an integer or 'first-last', got {key!r}")
+        return None
+    if strict_json and not isinstance(key, str):
+        problems.append(
+            f"{where}: token key {key!r} is not a string (keys are JSON text: write '{key}')"
+        )
         return None
     if isinstance(key, int):
         first = last = key
     else:
         match = _SPEC.fullmatch(key.strip())
         if match is None:
-            problems.append(f"{where}: {key!r} is not a token count or 'first-last' range")
+            problems.append(
+                f"{where}: {key!r} is not a token count or 'first-last' range in ASCII digits"
+            )
             return None
         first = int(match[1])
         last = int(match[2]) if match[2] is not None else first
@@ -77,13 +108,16 @@ def _choice(stage: str, value: Any, where: str, problems: list[str]) -> str | No
     return value if isinstance(value, str) else None
 
 
-def _stage(stage: str, value: Any, where: str, problems: list[str]) -> tuple[Range, ...]:
+def _stage(
+    stage: str, value: Any, where: str, problems: list[str], strict_json: bool = False
+) -> tuple[Range, ...]:
     """One stage's table as canonical ranges (stock counts dropped, neighbours merged)."""
     if isinstance(value, Mapping):
+        _repeats(value, where, problems)
         spans: list[tuple[int, int, str | None, Any]] = []
         for key, choice in value.items():
             at = f"{where}[{key!r}]"
-            span = _span(key, at, problems)
+            span = _span(key, at, problems, strict_json)
             picked = _choice(stage, choice, at, problems)
             if span is not None:
                 spans.append((*span, picked, key))
@@ -110,19 +144,23 @@ def _stage(stage: str, value: Any, where: str, problems: list[str]) -> tuple[Ran
     return tuple(merged)
 
 
-def parse_table(obj: Any, where: str = "policy") -> dict[str, tuple[Range, ...]]:
+def parse_table(
+    obj: Any, where: str = "policy", *, strict_json: bool = False
+) -> dict[str, tuple[Range, ...]]:
     """The stages a JSON table names, each as canonical ranges. Raises PolicyError."""
     problems: list[str] = []
-    table = _parse(obj, where, problems)
+    table = _parse(obj, where, problems, strict_json)
     if problems:
         raise PolicyError(problems)
     return table
 
 
-def _parse(obj: Any, where: str, problems: list[str]) -> dict[str, tuple[Range, ...]]:
+def _parse(
+    obj: Any, where: str, problems: list[str], strict_json: bool = False
+) -> dict[str, tuple[Range, ...]]:
     if isinstance(obj, str):
         try:
-            obj = json.loads(obj)
+            obj = json.loads(obj, object_pairs_hook=_object)
         except json.JSONDecodeError as error:
             problems.append(f"{where}: not valid JSON ({error.msg} at char {error.pos})")
             return {}
@@ -134,6 +172,7 @@ def _parse(obj: Any, where: str, problems: list[str]) -> dict[str, tuple[Range, 
     if not isinstance(obj, Mapping):
         problems.append(f"{where}: expects a mapping of stage to table, got {type(obj).__name__}")
         return {}
+    _repeats(obj, where, problems)
     table: dict[str, tuple[Range, ...]] = {}
     for stage, value in obj.items():
         at = f"{where}[{stage!r}]"
@@ -141,7 +180,7 @@ def _parse(obj: Any, where: str, problems: list[str]) -> dict[str, tuple[Range, 
             known = ", ".join(sorted(STAGES))
             problems.append(f"{at}: unknown stage (known: {known})")
             continue
-        table[stage] = _stage(stage, value, at, problems)
+        table[stage] = _stage(stage, value, at, problems, strict_json)
     return table
 
 
