@@ -70,6 +70,25 @@ def test_stage_matches_reference(cls, m, weights):
 
 
 @interpreter
+def test_swiglu_clamp_bites(weights):
+    """Activations past the clamp: the gate_up values (~N(0, 1)) against a limit of 1, so a
+    third of them are clamped. The rows must match the clamped reference within the MLP
+    bound, and the clamp must matter far beyond that bound (the unclamped reference is
+    10x the bound away), so rows computed without it fail."""
+    m, limit = 3, 1.0
+    gen = torch.Generator().manual_seed(31)
+    w, e8m0 = weights
+    x = torch.randn(m, D, generator=gen).bfloat16()
+    op = MegaExperts(*w[:4], bias=torch.zeros(E), shared=w[4], top_k=K, routed_scaling=SCALING,
+                     swiglu_limit=limit, ue8m0=e8m0)  # fmt: skip
+    rows = op(x, torch.randn(m, E, generator=gen))
+    ids = rows.ids.long()
+    ref = assert_rows_close(rows.rows, rows.route_row, x, ids, rows.weights, w, limit, e8m0)
+    free = moe_rows_ref(x, ids, *w[:4], w[4], float("inf"), e8m0)
+    assert (free - ref).norm() > 10 * 1.5e-2 * ref.norm()  # the clamp bites
+
+
+@interpreter
 def test_groups_are_cut_at_16_tokens(weights):
     """GroupedExperts: a hot expert's 19 tokens span two groups (its weights read twice);
     MegaExperts: one group per expert."""
