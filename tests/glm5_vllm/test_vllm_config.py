@@ -342,3 +342,183 @@ def test_every_spelling_of_the_sparse_mla_fp8_cache_is_supported(vllm_config, dt
     first = specialized_decode_config(config, H200)
     config.cache_config.cache_dtype = canonical(FlashMLASparseBackend, dtype)  # as MLA layers do
     assert unsupported(config, H200) == [] and specialized_decode_config(config, H200) == first
+
+
+# Hardening: every bad deployment one clear error (real vLLM 0.33 configs).
+
+
+def test_non_string_token_keys_are_refused_before_vllm_hashes_them(vllm_config):
+    """A Python-API policy keyed by int would pass our parse and then crash vLLM's
+    VllmConfig.compute_hash (json.dumps(sort_keys=True) cannot order 8 beside "1-4")."""
+    from glm5_policy import PolicyError
+    from glm5_vllm.config import specialized_decode_config
+
+    config = _good(vllm_config, policy={"moe": {8: "per_route", "1-4": "grouped"}})
+    with pytest.raises(TypeError, match="'<' not supported"):
+        config.compute_hash()  # vLLM's own failure, which ours must come before
+    with pytest.raises(PolicyError) as e:
+        specialized_decode_config(config, H200)
+    assert e.value.problems == [
+        "policy['moe'][8]: token key 8 is not a string (keys are JSON text: write '8')"
+    ]
+    config.additional_config["policy"] = {"moe": {"8": "per_route", "1-4": "grouped"}}
+    assert config.compute_hash()
+    decode = specialized_decode_config(config, H200)
+    assert decode.policy("moe", 8) == "per_route" and decode.policy("moe", 4) == "grouped"
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    """A tiny Llama checkpoint config that carries "mhc": true."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+    ).to_dict()  # fmt: skip
+    config.update(architectures=["LlamaForCausalLM"], mhc=True)
+    (tmp_path / "config.json").write_text(__import__("json").dumps(config))
+    return str(tmp_path)
+
+
+def test_another_model_is_refused_by_its_architecture(llama_dir):
+    """Its `mhc` flag and a geometry that reads as GLM's gave no reason at all."""
+    from tiny_model import cpu_config
+    from vllm.config import ModelConfig
+
+    from glm5_vllm.config import specialized_decode_config, unsupported
+
+    model = ModelConfig(model=llama_dir, skip_tokenizer_init=True, dtype="bfloat16")
+    extra = {"decode_backend": "latency_specialized"}
+    config = _full_graphs(cpu_config(model, additional_config=extra))
+    assert config.model_config.architectures == ["LlamaForCausalLM"]
+    assert unsupported(config, H200) == [
+        "model architecture LlamaForCausalLM (model_type 'llama'): expects GLM-5.3-Flash "
+        "(Glm5NextForCausalLM, Glm5NextForConditionalGeneration, Glm5NextMTPModel)"
+    ]
+    with pytest.raises(ValueError, match="model architecture LlamaForCausalLM"):
+        specialized_decode_config(config, H200)
+
+
+def test_the_mtp_drafters_architecture_is_glm(tmp_path):
+    """vLLM renames the drafter's architecture (Glm5NextMTPModel, model_type glm5_next_mtp)."""
+    from tiny_model import tiny_config
+
+    from glm5_vllm.config import unsupported
+
+    draft = tiny_config(tmp_path, draft=True)
+    drafter = draft.speculative_config.draft_model_config
+    assert drafter.architectures == ["Glm5NextMTPModel"]
+    assert not any("architecture" in r for r in unsupported(draft, H200))
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("not json", "additional_config 'not json': not valid JSON (Expecting value)"),
+        ("[1, 2]", "additional_config '[1, 2]': expects a JSON object, got list"),
+        ('"latency_specialized"', "expects a JSON object, got str"),
+    ],
+    ids=["not-json", "list", "string"],
+)
+def test_additional_config_text_that_is_not_an_object_is_one_error(vllm_config, text, problem):
+    """vLLM's CLI passes --additional-config text that does not parse as a JSON object
+    through as a str. VllmConfig's validation refuses a str when it is built, but not when
+    it is assigned later (a caller's or another plugin's hook): ours read it as {} and the
+    stock decode ran without a word."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from glm5_policy import PolicyError
+    from glm5_vllm.config import specialized_decode_config
+
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    passed = parser.parse_args(["--additional-config", text]).additional_config
+    assert passed == text  # vLLM's own parse: the text itself
+    with pytest.raises(ValueError, match="additional_config"):  # pydantic's, when built
+        vllm_config(additional_config=passed)
+    config = _good(vllm_config)
+    config.additional_config = passed
+    with pytest.raises(PolicyError) as e:
+        specialized_decode_config(config, H200)
+    (found,) = e.value.problems
+    assert problem in found, found
+
+
+def test_additional_config_as_json_text_is_read_as_its_object(vllm_config):
+    from glm5_vllm.config import specialized_decode_config
+
+    extra = {"decode_backend": "latency_specialized", "policy": {"moe": {"1-8": "grouped"}}}
+    as_text = _good(vllm_config)
+    as_text.additional_config = __import__("json").dumps(extra)
+    as_dict = _good(vllm_config, policy=extra["policy"])
+    decode = specialized_decode_config(as_text, H200)
+    assert decode is not None and decode == specialized_decode_config(as_dict, H200)
+    assert decode.policy("moe", 8) == "grouped"
+
+
+@pytest.mark.parametrize("key", ["１-８", "1-٨"], ids=["fullwidth", "arabic-indic"])
+def test_token_ranges_in_unicode_digits_are_refused(vllm_config, key):
+    from glm5_policy import PolicyError
+    from glm5_vllm.config import specialized_decode_config
+
+    with pytest.raises(PolicyError) as e:
+        specialized_decode_config(_good(vllm_config, policy={"moe": {key: "grouped"}}), H200)
+    (problem,) = e.value.problems
+    assert problem.startswith(f"policy['moe'][{key!r}]") and "ASCII digits" in problem
+
+
+def test_a_key_repeated_in_the_policy_text_is_refused(vllm_config):
+    from glm5_policy import PolicyError
+    from glm5_vllm.config import specialized_decode_config
+
+    text = '{"moe": {"1-8": "grouped"}, "moe": null}'
+    with pytest.raises(PolicyError) as e:
+        specialized_decode_config(_good(vllm_config, policy=text), H200)
+    assert e.value.problems == ["policy: key 'moe' given more than once (JSON keeps only the last)"]
+
+
+def test_the_graphs_reason_names_the_mode_found(vllm_config):
+    """enforce-eager was named whatever turned FULL graphs off."""
+    from vllm.config import CUDAGraphMode
+
+    from glm5_vllm.config import unsupported
+
+    def graphs_reason(config):
+        (reason,) = [r for r in unsupported(config, H200) if "CUDA graphs" in r]
+        assert reason.endswith(
+            ": the specialized decode runs in FULL decode CUDA graphs "
+            "(FULL, FULL_DECODE_ONLY, FULL_AND_PIECEWISE)"
+        )
+        return reason.split(":")[0]
+
+    eager = vllm_config(model_kw={"enforce_eager": True})
+    assert eager.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+    assert graphs_reason(eager) == "cudagraph_mode NONE (enforce-eager)"
+    # vLLM's CPU platform turns graphs off for every model, enforce-eager or not.
+    platform = vllm_config()
+    assert not platform.model_config.enforce_eager
+    assert graphs_reason(platform) == "cudagraph_mode NONE (enforce-eager not set)"
+    piecewise = _good(vllm_config)
+    piecewise.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    assert graphs_reason(piecewise) == "cudagraph_mode PIECEWISE (enforce-eager not set)"
+    for mode in (CUDAGraphMode.FULL, CUDAGraphMode.FULL_DECODE_ONLY):
+        piecewise.compilation_config.cudagraph_mode = mode
+        assert unsupported(piecewise, H200) == []
+
+
+def test_deployment_backend_and_policy_problems_come_in_one_error(vllm_config):
+    from glm5_runtime.checks import DeploymentError
+    from glm5_vllm.config import specialized_decode_config
+
+    config = _good(vllm_config, decode_backend="fastest", policy={"moe": {4: "mega"}})
+    config.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(DeploymentError) as e:
+        specialized_decode_config(config, H200)
+    assert e.value.reasons == [
+        "pipeline parallelism",
+        "additional_config['decode_backend']='fastest': expects one of "
+        "('auto', 'latency_specialized')",
+        "policy['moe'][4]: token key 4 is not a string (keys are JSON text: write '4')",
+        "policy['moe'][4]: unknown choice 'mega' (expects one of grouped, per_route or null)",
+    ]

@@ -1,26 +1,38 @@
 """The deployment's specialized decode settings, read from a VllmConfig: our keys of
 `additional_config` ("decode_backend", "policy"; other plugins' and vLLM's keys are left
 alone, except that one a keyboard slip away from ours warns), and every reason the deployment
-cannot run it (glm5_runtime.checks over the VllmConfig's parallel, compilation, cache and
-speculative settings).
+cannot run it (the model's architecture, then glm5_runtime.checks over the VllmConfig's
+parallel, compilation, cache and speculative settings), all in one error.
+
+vLLM's CLI hands `--additional-config` text that is not a JSON object through as a string:
+a string is parsed as JSON here, and one that is not an object is an error, never a silent
+stock decode. The policy must survive vLLM's hash of additional_config
+(`json.dumps(..., sort_keys=True)`): its token keys are strings, as in JSON text.
 
 Warnings go out once per process: vLLM builds the model classes more than once per process
 (the multimodal wrapper builds its language model; the MTP drafter reads the same config)."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import json
 import logging
+import reprlib
 from typing import Any
 
-from glm5_policy import DecodeConfig, family_of
+from glm5_policy import DecodeConfig, PolicyError, family_of
 from glm5_runtime.checks import Deployment, DeploymentError
 from glm5_runtime.checks import unsupported as runtime_unsupported
+
+from . import OVERRIDES
 
 __all__ = ["BACKENDS", "KEYS", "deployment", "specialized_decode_config", "unsupported"]
 
 BACKENDS = ("auto", "latency_specialized")
 KEYS = ("decode_backend", "policy")  # ours in additional_config
+ARCHITECTURES = tuple(OVERRIDES)  # vLLM's GLM-5.3-Flash architectures, those we register
+FULL_DECODE_MODES = ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 
 logger = logging.getLogger("glm5_vllm")
 _warned: set[Any] = set()  # what has been warned in this process
@@ -94,17 +106,68 @@ def deployment(vllm_config: Any, capability: tuple[int, int] | None = None) -> D
     )
 
 
+def _architecture(vllm_config: Any) -> str | None:
+    """Why the model is not GLM-5.3-Flash, None where it is. Its config's `mhc` flag and
+    geometry alone let other models through (a Llama config carrying "mhc": true)."""
+    model = vllm_config.model_config
+    archs = list(getattr(model, "architectures", None) or [])
+    model_type = getattr(model.hf_text_config, "model_type", None)
+    if any(a in ARCHITECTURES for a in archs):
+        return None
+    return (
+        f"model architecture {', '.join(archs) or 'not given'} (model_type {model_type!r}): "
+        f"expects GLM-5.3-Flash ({', '.join(ARCHITECTURES)})"
+    )
+
+
+def _graphs(vllm_config: Any) -> str:
+    """The reason for a deployment without FULL decode CUDA graphs, naming what was found."""
+    mode = vllm_config.compilation_config.cudagraph_mode
+    eager = getattr(vllm_config.model_config, "enforce_eager", False)
+    found = f"cudagraph_mode {'None' if mode is None else mode.name}"
+    # vLLM turns graphs off itself for enforce-eager, and some platforms do for every model.
+    why = "enforce-eager" if eager else "enforce-eager not set"
+    return (
+        f"{found} ({why}): the specialized decode runs in FULL decode CUDA graphs "
+        f"({', '.join(FULL_DECODE_MODES)})"
+    )
+
+
 def unsupported(vllm_config: Any, capability: tuple[int, int] | None = None) -> list[str]:
     """Every reason this deployment cannot run the specialized decode."""
     c = _capability(capability)
-    reasons = runtime_unsupported(deployment(vllm_config, c))
+    d = deployment(vllm_config, c)
+    reasons = runtime_unsupported(dataclasses.replace(d, full_decode_graphs=True))
     if c is None:  # deployment() stood (0, 0) in for the missing GPU
         reasons = ["no CUDA GPU" if "compute capability" in r else r for r in reasons]
+    if not d.full_decode_graphs:
+        reasons.append(_graphs(vllm_config))
+    architecture = _architecture(vllm_config)
+    if architecture is not None:
+        # Another model's geometry and mHC flag say nothing more: only its architecture.
+        model = ("model geometry:", "checkpoints without mHC")
+        reasons = [architecture, *(r for r in reasons if not r.startswith(model))]
     return reasons
 
 
 def _extra(vllm_config: Any) -> dict:
+    """additional_config as a mapping: a JSON string parsed (vLLM's CLI passes text that is
+    not a JSON object through as it is); another plugin's hashable object has no keys of
+    ours. Raises PolicyError for a string that is not a JSON object."""
     extra = vllm_config.additional_config
+    if isinstance(extra, str):
+        shown = reprlib.repr(extra)
+        try:
+            extra = json.loads(extra)
+        except ValueError as error:
+            msg = getattr(error, "msg", str(error))
+            problem = f"additional_config {shown}: not valid JSON ({msg})"
+            raise PolicyError([problem]) from None
+        except RecursionError:
+            raise PolicyError([f"additional_config {shown}: nested too deeply"]) from None
+        if not isinstance(extra, dict):
+            kind = type(extra).__name__
+            raise PolicyError([f"additional_config {shown}: expects a JSON object, got {kind}"])
     return extra if isinstance(extra, dict) else {}
 
 
@@ -112,9 +175,11 @@ def specialized_decode_config(
     vllm_config: Any, capability: tuple[int, int] | None = None
 ) -> DecodeConfig | None:
     """The specialized decode's settings, None for the stock decode. Raises one ValueError
-    naming every problem when it is requested for a deployment it cannot run, or with a
-    backend name or policy table it does not know. Warns (once per process) when a policy
-    is given for the stock decode, and when a key is a misspelling of ours."""
+    naming every problem when it is requested for a deployment it cannot run (a
+    DeploymentError), or with a backend name or policy table it does not know (a
+    PolicyError, where the deployment itself is supported), or when additional_config is
+    text that is not a JSON object. Warns (once per process) when a policy is given for the
+    stock decode, and when a key is a misspelling of ours."""
     extra = _extra(vllm_config)
     for key in extra:
         ours = _misspelling_of(key)
@@ -134,19 +199,29 @@ def specialized_decode_config(
                 repr(backend) if "decode_backend" in extra else "not set",
             )  # fmt: skip
         return None
+    problems = []
     if backend not in BACKENDS:
-        raise ValueError(
-            f"additional_config['decode_backend']={backend!r}: expects one of {BACKENDS}"
+        problems.append(
+            f"additional_config['decode_backend']={reprlib.repr(backend)}: expects one of "
+            f"{BACKENDS}"
         )
     reasons = unsupported(vllm_config, capability)
-    if reasons:
-        raise DeploymentError(reasons)
     spec = vllm_config.speculative_config
     c = _capability(capability)
-    return DecodeConfig.build(
-        max_context=vllm_config.model_config.max_model_len,
-        q=1 + (spec.num_speculative_tokens if spec is not None else 0),
-        capture_sizes=tuple(vllm_config.compilation_config.cudagraph_capture_sizes or ()),
-        policy=extra.get("policy"),
-        family=family_of(c),
-    )
+    config = None
+    try:
+        config = DecodeConfig.build(
+            max_context=vllm_config.model_config.max_model_len,
+            q=1 + (spec.num_speculative_tokens if spec is not None else 0),
+            capture_sizes=tuple(vllm_config.compilation_config.cudagraph_capture_sizes or ()),
+            policy=extra.get("policy"),
+            family=None if c is None else family_of(c),
+            strict_json=True,  # vLLM hashes additional_config as sorted JSON
+        )
+    except PolicyError as error:
+        problems += error.problems
+    if reasons:
+        raise DeploymentError(reasons + problems)
+    if problems:
+        raise PolicyError(problems)
+    return config
