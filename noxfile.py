@@ -60,11 +60,26 @@ def vllm_tests(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none", default=False)
 def gpu_tests(session: nox.Session) -> None:
-    """GPU suite on the machine's own CUDA torch (GPU hosts have no package index)."""
+    """GPU suite on the machine's own CUDA torch (GPU hosts have no package index).
+    `nox -s gpu_tests -- quick`: the quick selection (tests/conftest.py QUICK), for every
+    change that touches a kernel; the full suite for a stage's own issue. The multi_gpu tests
+    run where the host has 2+ GPUs. Other arguments go to pytest."""
     if shutil.which("nvidia-smi") is None:
         session.skip("no NVIDIA GPU on this machine")
+    listed = session.run("nvidia-smi", "-L", silent=True, external=True) or ""
+    gpus = sum(line.startswith("GPU ") for line in listed.splitlines())
+    args = list(session.posargs)
+    quick = args[:1] == ["quick"]
+    markers = "gpu or multi_gpu" if gpus >= 2 else "gpu"
+    if gpus < 2:
+        session.log(
+            f"{gpus} GPU on this host: the multi_gpu tests (NVLink exchanges and TP ranks "
+            "across GPUs) need 2+ GPUs of one host and are left out"
+        )
+    if quick:
+        args, markers = args[1:], f"({markers}) and quick"
     paths = ":".join(f"packages/{p}/src" for p in PACKAGES)
-    session.run("python", "-m", "pytest", "-m", "gpu", *session.posargs, env={"PYTHONPATH": paths})
+    session.run("python", "-m", "pytest", "-m", markers, *args, env={"PYTHONPATH": paths})
 
 
 @nox.session(python="3.11")

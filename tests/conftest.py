@@ -1,13 +1,55 @@
-"""Marker gates shared by every test folder: gpu / multi_gpu tests skip cleanly without them."""
+"""Marker gates shared by every test folder: gpu / multi_gpu tests skip cleanly without them;
+the quick GPU selection (`nox -s gpu_tests -- quick`) marked by node."""
+
+from pathlib import Path
 
 import pytest
 
+# The quick GPU selection, for every change that touches a kernel (the full suite is for a
+# stage's own issue): every kernel once at the real GLM-5.3-Flash shapes with NaN-poisoned
+# outputs, one CUDA-graph capture each, and the whole step at one q with every stage on (q = 4:
+# three MTP drafts, 16 capture sizes, the draft beside). Entries: (file under tests/, test,
+# its parameter id: "-"-separated parts in any order, "" unparametrized).
+# tests/integration/test_quick_selection.py checks each names exactly one collected test.
+QUICK = (
+    ("glm5_kernels/test_gemm_gpu.py", "test_flash_shape", "tp4-kda.in_proj"),  # BF16, N 6416
+    ("glm5_kernels/test_gemm_gpu.py", "test_flash_shape", "tp4-dense.gate_up"),  # FP8
+    ("glm5_kernels/test_gemm_gpu.py", "test_flash_shape", "tp4-moe.router"),
+    ("glm5_kernels/test_gemm_gpu.py", "test_flash_shape", "tp4-shared.mlp"),
+    ("glm5_kernels/test_gemm_gpu.py", "test_graph_capture_after_prepare", ""),
+    ("glm5_kernels/test_moe_gpu.py", "test_real_shapes", "tp4"),
+    ("glm5_kernels/test_moe_gpu.py", "test_graph_capture_and_unprepared_tokens", "tp4"),
+    ("glm5_kernels/test_kda_gpu.py", "test_consecutive_steps_equal_the_reference", "16-8-2"),
+    ("glm5_kernels/test_kda_gpu.py", "test_a_captured_step_replays_like_eager", ""),
+    ("glm5_kernels/test_mhc_gpu.py", "test_boundaries_match_reference", "triton-13"),
+    ("glm5_kernels/test_mhc_gpu.py", "test_boundaries_match_reference", "cute-13"),
+    ("glm5_kernels/test_mhc_gpu.py", "test_barrier_reused_and_captured", "triton"),
+    ("glm5_kernels/test_mhc_gpu.py", "test_barrier_reused_and_captured", "cute"),
+    ("glm5_kernels/test_dsa_attn_gpu.py", "test_matches_the_reference", "16-8-3-4096"),
+    ("glm5_kernels/test_dsa_attn_gpu.py", "test_a_captured_call_replays_like_eager", ""),
+    ("glm5_kernels/test_dsa_indexer_gpu.py", "test_matches_the_reference", "8-3-4096"),
+    ("glm5_kernels/test_dsa_kpool_gpu.py", "test_matches_the_reference", "16-4"),
+    ("glm5_runtime/test_decode_gpu.py", "test_every_capture_size_with_draft_equals_stock", "4"),
+    # Hosts of 2+ GPUs only (multi_gpu): the NVLink exchanges.
+    ("glm5_comm/test_allreduce_gpu.py", "test_gpus_hold_the_rank_order_sum", ""),
+)
+TESTS = Path(__file__).parent
+
+
+def quick_key(file: str, test: str, params: str) -> tuple[str, str, tuple[str, ...]]:
+    return file, test, tuple(sorted(params.split("-"))) if params else ()
+
+
+_QUICK = {quick_key(*entry) for entry in QUICK}
+
 
 def pytest_configure(config):
-    """One intra-op thread for CPU-only runs. The suite's tensors are small enough that a
-    second thread saves nothing (93 s either way on an idle 2-core machine), and where another
-    process holds the other core each parallel op waits for a descheduled worker (measured:
-    up to 40 ms per index_add_ instead of 5 us; one consistency test 30 s instead of 1.5)."""
+    """The `quick` marker (applied by node, below); one intra-op thread for CPU-only runs.
+    The suite's tensors are small enough that a second thread saves nothing (93 s either way
+    on an idle 2-core machine), and where another process holds the other core each parallel
+    op waits for a descheduled worker (measured: up to 40 ms per index_add_ instead of 5 us;
+    one consistency test 30 s instead of 1.5)."""
+    config.addinivalue_line("markers", "quick: the quick GPU selection (tests/conftest.py QUICK)")
     try:
         import torch
     except ImportError:
@@ -24,6 +66,11 @@ def pytest_collection_modifyitems(config, items):
     except ImportError:
         gpus = 0
     for item in items:
+        callspec = getattr(item, "callspec", None)
+        file = item.path.relative_to(TESTS).as_posix() if item.path.is_relative_to(TESTS) else ""
+        test = getattr(item, "originalname", item.name)
+        if quick_key(file, test, callspec.id if callspec else "") in _QUICK:
+            item.add_marker(pytest.mark.quick)
         if "gpu" in item.keywords and gpus < 1:
             item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU"))
         if "multi_gpu" in item.keywords and gpus < 2:
