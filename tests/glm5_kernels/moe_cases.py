@@ -10,8 +10,9 @@ e4m3 step — the MLP bound of gemm_cases.assert_mlp_close (normwise <= 1.5e-2, 
 moe_output_ref of those reference rows and the kernel's own weights."""
 
 import torch
+from moe_routing import assert_routing as assert_routing  # the kernels' and the steps' check
 
-from glm5_kernels.moe import moe_output_ref, moe_rows_ref, route_ref
+from glm5_kernels.moe import moe_output_ref, moe_rows_ref
 from glm5_kernels.quant import quantize_fp8_block_ref
 
 
@@ -61,25 +62,6 @@ def assert_rows_close(rows, route_row, x, ids, weights, w, limit, ue8m0):
     assert (got - ref).norm() <= 1.5e-2 * ref.norm()
     assert (got - ref).abs().max() <= 2.0**-4 * ref.abs().max()
     return ref
-
-
-def assert_routing(logits, bias, k, scaling, ids, weights):
-    """ids as route_ref picks them (descending score + bias, ties to the lower id), except
-    that where two experts' values are within a few FP32 ulps a sigmoid implementation may
-    order them either way: each slot's value must then equal the reference's within 2^-21.
-    Weights: from the kernel's own ids, as route_ref forms them, within 2^-20."""
-    ref_ids = route_ref(logits, bias, k, scaling)[1]
-    choice = torch.sigmoid(logits.double()) + bias.double()
-    ids = ids.long()
-    assert ((ids >= 0) & (ids < logits.shape[1])).all()
-    assert (ids.sort(-1).values.diff(dim=-1) > 0).all(), "an expert picked twice"
-    gap = (choice.gather(1, ids) - choice.gather(1, ref_ids)).abs()
-    assert (gap <= 2.0**-21).all(), f"ids {ids.tolist()} != {ref_ids.tolist()}"
-    tied = (logits == logits[:, :1]).all(-1)  # equal inputs: equal scores on every backend
-    assert torch.equal(ids[tied], ref_ids[tied]), "exact ties not broken to the lower id"
-    s = torch.sigmoid(logits.float()).gather(1, ids)
-    want = s / (s.sum(-1, keepdim=True) + 1e-20) * scaling
-    torch.testing.assert_close(weights, want, rtol=2.0**-20, atol=0)
 
 
 def assert_output_close(out, ref_rows, weights):

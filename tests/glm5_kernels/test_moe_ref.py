@@ -211,9 +211,11 @@ def test_experts_dequantize_only_the_experts_hit(monkeypatch):
 
 def test_flash_size_expert_fp8_round_trip():
     """One real GLM-5.3-Flash expert (w13 2x2048x4096, w2 4096x2048), UE8M0 FP8 like DeepGEMM,
-    against transformers' Experts holding the dequantized weights; and the FP8 output stays within
-    the quantization error of the unquantized expert (per-block error <= 1/16 of amax, random
-    signs: the output error is a few % of its norm, checked at 10 %)."""
+    against transformers' Experts holding the dequantized weights; and the FP8 output moves from
+    the unquantized expert's by its weights' quantization, to first order: each linear's output
+    by its weight's relative error e (isotropic inputs), the gate's through SwiGLU at most
+    doubled, so <= 2 e13 + e2 (e13, e2 measured here); and by a quarter of e2 at least (the
+    errors do not cancel: the FP8 path is really taken)."""
     d, inter, t = 4096, 2048, 2
     config = _config(hidden=d, experts=1, top_k=1, inter=inter, limit=10.0)
     gen = torch.Generator().manual_seed(2048)
@@ -225,6 +227,7 @@ def test_flash_size_expert_fp8_round_trip():
     assert s13.shape == (1, 32, 32) and s2.shape == (1, 32, 16)
     x = torch.randn(t, d, generator=gen)
     ids, weights = torch.zeros(t, 1, dtype=torch.int64), torch.full((t, 1), 2.5)
+    exact_w13, exact_w2 = experts.gate_up_proj.clone(), experts.down_proj.clone()
     with torch.no_grad():
         exact = experts(x, ids, weights)
         experts.gate_up_proj.copy_(dequantize_fp8_block_ref(w13, s13))
@@ -232,5 +235,9 @@ def test_flash_size_expert_fp8_round_trip():
         want = experts(x, ids, weights)
     got = experts_ref(x, w13, w2, ids, weights, 10.0, s13, s2)
     torch.testing.assert_close(got, want, **CLOSE)
-    rel = (got - exact).norm() / exact.norm()
-    assert 1e-3 < rel < 0.1
+    rel = ((got - exact).norm() / exact.norm()).item()
+    e13, e2 = (
+        ((dequantize_fp8_block_ref(q, s) - p.detach()).norm() / p.detach().norm()).item()
+        for q, s, p in ((w13, s13, exact_w13), (w2, s2, exact_w2))
+    )
+    assert e2 / 4 < rel <= 2 * e13 + e2, (rel, e13, e2)
