@@ -1,9 +1,13 @@
 """`glm5-decode`: every bad input is argparse's refusal (a usage block, one error line, exit
-status 2, no traceback) before any work; `--help` imports no torch; the demo shows prompts
-and generated tokens apart. Also `Geometry.from_hf` on a plain config.json, and the memory
-estimate the demo's refusal rests on."""
+status 2, no traceback) before any work; `--help` and `table` import no torch; Ctrl-C is one
+line and exit status 130; the demo shows prompts, the prefill's token and generated tokens
+apart, what its times cover, and with `--compare` both paths' tokens. Also
+`Geometry.from_hf` on a plain config.json, and the memory estimate the demo's refusal rests
+on."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -62,6 +66,10 @@ def no_cuda(monkeypatch):
         (["bench", "--tokens", "abc"], "argument --tokens: expects comma-separated token counts"),
         (["bench", "--tokens", "1,,8"], "argument --tokens: expects comma-separated"),
         (["bench", "--tokens", "1,128"], "argument --tokens: expects comma-separated"),
+        (
+            ["bench", "--tokens", "8,1,8,8"],
+            "argument --tokens: expects each token count once, got '8,1,8,8' (8 repeated)",
+        ),
         (["bench", "--q", "4", "--tokens", "4,6"], "--tokens 4,6: [6] not multiples of --q 4"),
         (["bench", "--q", "9"], "argument --q: expects an integer in 1..8"),
         (["bench", "--iters", "0"], "argument --iters: expects a positive integer"),
@@ -69,6 +77,16 @@ def no_cuda(monkeypatch):
         (["bench", "--stock", "cublas"], "argument --stock: invalid choice"),
         (["bench", "--policy", "{"], "argument --policy: policy: not valid JSON"),
         (["bench", "--policy", '{"moe": "x"}'], "argument --policy: policy['moe']: unknown"),
+        (
+            ["bench", "--policy", '{"moe": "grouped", "kda": null, "moe": null}'],
+            "argument --policy: policy: key 'moe' given more than once (JSON keeps only the last)",
+        ),
+        (
+            ["demo", "--compare", "--policy", '{"moe": {"1-4": "grouped", "1-4": null}}'],
+            "argument --policy: policy['moe']: key '1-4' given more than once",
+        ),
+        (["demo", "--policy", "{}"], "--policy and --family: choose the specialized decode's"),
+        (["demo", "--family", "sm100"], "--policy and --family: choose the specialized"),
         (["bench", "--out", "/no/such/folder/b.json"], "argument --out: no folder"),
         (["bench", "--plot", "b.png"], "--plot: needs --out"),
         (["plot", "no-such-file.json", "--out", "p.png"], "argument results: cannot read"),
@@ -144,13 +162,84 @@ def test_tiny_demo_shows_prompt_and_generated_tokens_apart(capsys):
     out = capsys.readouterr().out
     lines = out.splitlines()
     prompt = next(i for i, line in enumerate(lines) if line.startswith("prompt 0 (8 tokens): ["))
+    prefill = next(i for i, line in enumerate(lines) if line.startswith("  prefill: "))
     step = next(i for i, line in enumerate(lines) if line.startswith("  step 1/1: drafts ["))
     generated = next(i for i, line in enumerate(lines) if line.startswith("generated ("))
-    assert prompt < step < generated
+    assert prompt < prefill < step < generated
     assert "q = 4 tokens each" in out
     assert "drafts accepted: with random weights" in out
     tokens = json.loads(lines[generated].split(": ", 1)[1])
     assert lines[generated].startswith(f"generated ({len(tokens)} tokens)") and len(tokens) >= 2
+    # The first generated token is the prefill's, and says so.
+    assert f"generates {tokens[0]} (the first token), then drafts" in lines[prefill]
+    # What the times cover: prefills, steps, the whole serve; what a step holds.
+    (summary,) = [line for line in lines if line.startswith("stock: prefills ")]
+    assert "(1 prompts), 1 steps " in summary and ", in all " in summary
+    assert "ms/step (the target's q=4 verify and the MTP layer's 3 drafts for the next)" in out
+    assert "per stage (of the " in out and ": prefills, steps and drafts):" in out
+
+
+CHEAP = json.dumps(  # the demo's compare with kernels the interpreter runs in seconds
+    {"boundary": None, "kda": None, "kda_proj": None, "dsa_proj": None,
+     "router": "split_k", "logits_head": "skinny"}
+)  # fmt: skip
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1"
+)
+def test_demo_compare_prints_both_paths_tokens_and_that_they_agree(capsys):
+    """The product's point: the same prompts through the specialized decode (its Triton
+    kernels interpreted on CPU) give the stock path's tokens."""
+    argv = ["demo", "--compare", "--prompts", "2", "--steps", "2", "--prompt-len", "8"]
+    cli.main([*argv, "--policy", CHEAP])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    (built,) = [line for line in lines if line.startswith("compiled in ")]
+    assert built.endswith("stages logits_head, router"), built
+    assert lines.index("== stock ==") < lines.index("== specialized ==")
+    served = {}
+    for side in ("stock", "specialized"):
+        for p in range(2):
+            (line,) = [x for x in lines if x.startswith(f"  prompt {p}: {side} ")]
+            served[side, p] = json.loads(line.split(side, 1)[1])
+            assert len(served[side, p]) >= 3  # the prefill's token and one a step at least
+    assert all(served["stock", p] == served["specialized", p] for p in range(2))
+    total = sum(len(served["stock", p]) for p in range(2))
+    assert f"the paths agree: all {total} generated tokens equal" in lines
+    assert any(x.startswith("specialized: prefills ") for x in lines)
+
+
+def test_table_imports_no_torch():
+    """Formatting a results file needs neither torch (2 s) nor NumPy (whose absence warned)."""
+    script = """
+import sys
+from glm5_runtime.cli import main
+main(["table", "benchmarks/results/decode_h200_tp4.json"])
+heavy = sorted(m for m in ("torch", "triton", "numpy") if m in sys.modules)
+assert not heavy, heavy
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    assert "| flash-tp4-rank | 1 |" in run.stdout and "| mhc, norms, reduce |" in run.stdout
+
+
+def test_ctrl_c_stops_the_demo_with_one_line_and_status_130():
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "glm5_runtime.cli", "demo", "--steps", "200", "--prompt-len", "4",
+         "--max-context", "1024"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        for line in demo.stdout:  # interrupted while serving, not while starting
+            if line.startswith("  step 1/200"):
+                break
+        demo.send_signal(signal.SIGINT)
+        _, err = demo.communicate(timeout=120)
+    finally:
+        demo.kill()
+    assert demo.returncode == 130, err
+    assert err.strip() == "glm5-decode demo: interrupted"
 
 
 def test_cache_estimate_is_what_the_model_allocates():

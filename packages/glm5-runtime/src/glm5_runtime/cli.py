@@ -1,16 +1,19 @@
 """`glm5-decode`: the reference GLM-5.3-Flash backbone serving random prompts with greedy MTP
-drafting (`demo`: prefill, then draft / verify / accept steps, timed per step and per stage),
-stock vs specialized decode steps on the GPU (`bench`), their plot (`plot`) and tables
-(`table`).
+drafting (`demo`: prefill, then draft / verify / accept steps, timed per step and per stage;
+`--compare`: the same prompts through the specialized decode too), stock vs specialized
+decode steps on the GPU (`bench`), their plot (`plot`) and tables (`table`).
 
     glm5-decode demo                                  # tiny geometry, CPU, a few seconds
-    glm5-decode demo --device cuda --geometry flash-tp4-rank --steps 8
+    glm5-decode demo --compare --prompts 1 --steps 2  # + the specialized decode (CPU: ~2 min)
+    glm5-decode demo --device cuda --geometry flash-tp4-rank --steps 8 --compare
     glm5-decode bench --geometry flash-tp4-rank --tokens 1,8,64 --out bench.json
+    glm5-decode table bench.json
 
 Every bad input is one line on stderr and exit status 2, before any work starts: argparse
 checks each value and the values together; the commands then check what needs torch (the
-device, the memory the model takes). Torch is imported inside the commands only, so `--help`
-answers at once.
+device, the memory the model takes). Torch is imported inside `demo` and `bench` only, so
+`--help` and `table` answer at once. Ctrl-C stops a command with one line and exit status
+130.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import argparse
 import importlib.util
 import json
 import os
-import time
+import sys
 import warnings
 
 from glm5_policy import FAMILIES, MAX_Q, MAX_TOKENS, PolicyError, parse_table
@@ -81,7 +84,16 @@ def _token_counts(text: str) -> str:
             f"expects comma-separated token counts in 1..{MAX_TOKENS} (the largest planned "
             f"step), e.g. 1,8,64, got {text!r}"
         ) from None
+    repeated = sorted({c for c in counts if counts.count(c) > 1})
+    if repeated:  # each count is timed once: a repeat would time the same step again
+        raise argparse.ArgumentTypeError(
+            f"expects each token count once, got {text!r} ({_listed(repeated)} repeated)"
+        )
     return ",".join(map(str, counts))
+
+
+def _listed(values: list[int]) -> str:
+    return ", ".join(map(str, values))
 
 
 def _policy(text: str) -> str:
@@ -146,125 +158,34 @@ def _check_fits(g, device, name: str, **kw) -> None:
         raise BadInput(f"--geometry {name}: {problem}")
 
 
-def _shown(tokens: list[int], limit: int = 32) -> str:
-    return str(tokens) if len(tokens) <= limit else f"{str(tokens[:limit])[:-1]}, ...]"
-
-
 def demo(args) -> None:
+    if args.compare and not _installed("triton"):
+        raise BadInput(
+            "--compare: the specialized decode's kernels need Triton: pip install triton"
+        )
+    if args.compare and args.device == "cpu":
+        # No GPU: Triton's interpreter runs the kernels. Read when the kernels are defined,
+        # so before glm5_kernels is first imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     torch = _import_torch()
-    from .reference import ReferenceModel, geometry
-    from .stage_timer import StageTimer
+    from .reference import geometry
 
     if args.device == "cuda" and (why := _no_cuda(torch)):
         raise BadInput(f"--device cuda: {why}")
-    device = torch.device(args.device)
-    g = geometry(args.geometry)
-    q = 1 + args.spec
+    if args.family is None:
+        from glm5_policy import family_of
+
+        capability = torch.cuda.get_device_capability() if args.device == "cuda" else (9, 0)
+        args.family = family_of(capability) or "sm90"
+    spare = 1 if args.compare and args.device == "cuda" else 0  # demo.build's
     _check_fits(
-        g, device, args.geometry, max_requests=args.prompts, max_context=args.max_context, q=q,
+        geometry(args.geometry), torch.device(args.device), args.geometry,
+        max_requests=args.prompts + spare, max_context=args.max_context, q=1 + args.spec,
         block_size=BLOCK_SIZE,
     )  # fmt: skip
-    print(
-        f"building {args.geometry} (tp {g.tp_size}, ranks {list(g.ranks)}) on {device}, "
-        "random weights ...",
-        flush=True,
-    )
-    start = time.perf_counter()
-    model = ReferenceModel.random(
-        g,
-        seed=args.seed,
-        device=device,
-        max_requests=args.prompts,
-        max_context=args.max_context,
-        q=q,
-        block_size=BLOCK_SIZE,
-    )
-    print(f"built in {time.perf_counter() - start:.1f}s", flush=True)
-    if args.spec:
-        print(
-            f"{args.steps} verify steps per prompt, q = {q} tokens each: the last token "
-            f"and {args.spec} MTP drafts, kept up to the first draft the target disagrees with",
-            flush=True,
-        )
-    else:
-        print(f"{args.steps} decode steps per prompt, q = 1 (no MTP drafts)", flush=True)
-    timer = StageTimer(model)
-    gen = torch.Generator().manual_seed(args.seed)
-    drafted = accepted = steps = 0
-    step_times = []
-    served = time.perf_counter()
-    with torch.no_grad():
-        for p in range(args.prompts):
-            prompt = torch.randint(0, g.vocab_size, (1, args.prompt_len), generator=gen)
-            print(
-                f"prompt {p} ({args.prompt_len} tokens): {_shown(prompt[0].tolist())}",
-                flush=True,
-            )
-            prompt = prompt.to(device)
-            r = model.add()
-            hidden = model.forward([r], prompt)
-            nxt = greedy(model, hidden[:, -1:])
-            generated = [nxt.item()]
-            # The MTP layer pairs each target hidden state h_i with token i + 1.
-            drafts = _draft(model, r, torch.cat([prompt[:, 1:], nxt], 1), hidden, 0, args)
-            for s in range(args.steps):
-                t0 = time.perf_counter()
-                base = model.lengths[r]
-                block = torch.cat([nxt, drafts], dim=1)  # [1, q]
-                hidden = model.forward([r], block, verify=True)
-                predicted = greedy(model, hidden)  # [1, q]: the target's token after each
-                n = 1
-                while n < q and block[0, n] == predicted[0, n - 1]:
-                    n += 1
-                model.accept(r, n)
-                nxt = predicted[:, n - 1 : n]
-                new = [*block[0, 1:n].tolist(), nxt.item()]
-                if s + 1 < args.steps:  # the last step's drafts would never be verified
-                    kept = torch.cat([block[:, 1:n], nxt], 1)
-                    drafts = _draft(model, r, kept, hidden[:, :n], base, args)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                step_times.append(time.perf_counter() - t0)
-                generated += new
-                steps += 1
-                drafted, accepted = drafted + args.spec, accepted + n - 1
-                shown = f"drafts {block[0, 1:].tolist()}, {n - 1} accepted, " if q > 1 else ""
-                print(
-                    f"  step {s + 1}/{args.steps}: {shown}emits {new} "
-                    f"({1e3 * step_times[-1]:.0f} ms)",
-                    flush=True,
-                )
-            print(f"generated ({len(generated)} tokens): {_shown(generated)}", flush=True)
-            model.release(r)
-    wall = time.perf_counter() - served
-    total = sum(step_times)
-    print(
-        f"\n{steps} steps (q={q}): {1e3 * total / steps:.1f} ms/step, "
-        f"{(steps + accepted) / steps:.2f} tokens/step, {(steps + accepted) / total:.1f} tokens/s"
-    )
-    if args.spec:
-        print(
-            f"{accepted} of {drafted} drafts accepted: with random weights the MTP layer's "
-            "drafts almost never match the target's greedy tokens (a trained MTP layer's "
-            "mostly do)"
-        )
-    print("per stage (all steps, prefill and drafts included):")
-    rest = wall - sum(timer.totals.values())
-    rows = [*timer.totals.items(), ("mhc, norms, sampling, host", rest)]
-    for name, seconds in sorted(rows, key=lambda kv: -kv[1]):
-        print(f"  {name:28s} {1e3 * seconds:9.1f} ms")
+    from .demo import show
 
-
-def greedy(model, hidden):
-    """The target's greedy tokens [R, T] after hidden states [R, T, D]."""
-    return model.logits(hidden).argmax(-1)
-
-
-def _draft(model, r: int, tokens, hidden, start: int, args):
-    """Request r's MTP drafts [1, spec] (none without speculation)."""
-    if not args.spec:
-        return tokens.new_empty(1, 0)
-    return model.draft([r], tokens, hidden, start, args.spec, share_index=args.share_index)
+    show(args)
 
 
 def bench(args) -> None:
@@ -290,13 +211,13 @@ def bench(args) -> None:
 
 
 def plot_files(args) -> None:
-    from .bench import plot
+    from .results import plot
 
     plot(args.results, args.out)
 
 
 def table_files(args) -> None:
-    from .bench import table
+    from .results import table  # no torch: formatting JSON needs none
 
     print(table(args.results))
 
@@ -343,6 +264,21 @@ def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         help="longest sequence the caches hold (>= prompt-len + steps * q)",
     )
     d.add_argument("--seed", type=_integer(0, 2**32 - 1), default=0, help="weights and prompts")
+    d.add_argument(
+        "--compare",
+        action="store_true",
+        help="serve the same prompts again with the target's steps on the specialized decode "
+        "(CPU: Triton interpreted, seconds a step; GPU: each step a CUDA graph) and compare "
+        "both paths' tokens",
+    )
+    d.add_argument(
+        "--policy", type=_policy, default=None, help="with --compare: policy table JSON over "
+        "the family default",
+    )  # fmt: skip
+    d.add_argument(
+        "--family", default=None, choices=FAMILIES,
+        help="with --compare: the GPU family's default table (default: this GPU's; sm90 on CPU)",
+    )  # fmt: skip
     d.set_defaults(run=demo)
 
     b = sub.add_parser(
@@ -413,6 +349,8 @@ def _problem(args) -> str | None:
                 f"--max-context {args.max_context}: a {args.prompt_len}-token prompt and "
                 f"{args.steps} steps of q={1 + args.spec} tokens need {need}"
             )
+        if not args.compare and (args.policy is not None or args.family is not None):
+            return "--policy and --family: choose the specialized decode's stages (--compare)"
     elif args.command == "bench":
         uneven = [t for t in map(int, args.tokens.split(",")) if t % args.q]
         if uneven:
@@ -436,6 +374,11 @@ def main(argv: list[str] | None = None) -> None:
         args.run(args)
     except BadInput as error:
         command.error(str(error))
+    except KeyboardInterrupt:
+        # One line, not the traceback of wherever the work was; 130 = 128 + SIGINT, as a shell
+        # reports a command it interrupted.
+        print(f"\n{command.prog}: interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

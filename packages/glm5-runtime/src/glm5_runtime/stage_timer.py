@@ -10,8 +10,7 @@ from collections import defaultdict
 import torch
 
 from .reference import ReferenceModel
-
-STAGES = ("embed", "kda", "mla", "dense_mlp", "moe", "head")
+from .results import STAGES
 
 
 class StageTimer:

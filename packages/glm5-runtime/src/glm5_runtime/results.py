@@ -1,0 +1,90 @@
+"""`glm5-decode bench` results files read back without torch: the plot (`glm5-decode plot`)
+and the runtime README's markdown tables (`glm5-decode table`). Formatting JSON needs neither
+torch nor NumPy, so `table` answers at once on any machine."""
+
+from __future__ import annotations
+
+import json
+
+__all__ = ["BETWEEN", "LINES", "STAGES", "plot", "table"]
+
+# The stage methods a step's split is timed by (`stage_timer`, `bench.StageMarks`) and what
+# runs between them: hc pre / post, norms, the sums.
+STAGES = ("embed", "kda", "mla", "dense_mlp", "moe", "head")
+BETWEEN = "mhc, norms, reduce"
+
+LINES = (
+    ("reference_ms", "reference stock"),
+    ("library_ms", "library stock"),
+    ("specialized_ms", "specialized"),
+    ("floor_ms", "HBM floor"),
+)
+
+
+def plot(result_paths: list[str], out: str) -> None:
+    """Each stock, specialized and floor ms per token count, one panel per results file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = []
+    for path in result_paths:
+        with open(path) as f:
+            results.append(json.load(f))
+    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
+    for ax, r in zip(axes[0], results, strict=True):
+        x = [row["tokens"] for row in r["rows"]]
+        for i, (key, label) in enumerate(LINES):  # one colour a line in every panel
+            if key in r["rows"][0]:
+                ax.plot(x, [row[key] for row in r["rows"]], marker="o", label=label, color=f"C{i}")
+        ax.set(xscale="log", yscale="log", xlabel="tokens per step", ylabel="ms per step",
+               title=f"{r['geometry']} ({r['gpu']}, ctx {r['context']})")  # fmt: skip
+        ax.set_xticks(x, [str(v) for v in x])
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def table(result_paths: list[str]) -> str:
+    """Results JSON files as the runtime README's markdown tables: per step the time of each
+    side, kernels per step, the ratios; then the graph-captured stage split."""
+    results = []
+    for path in result_paths:
+        with open(path) as f:
+            results.append(json.load(f))
+    out = [
+        "| geometry | tokens | reference ms | library ms | specialized ms | floor ms "
+        "| vs reference | vs library | specialized × floor | kernels (ref / lib / spec) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+
+    def cell(row: dict, key: str, digits: int) -> str:
+        return f"{row[key]:.{digits}f}" if key in row else "–"  # a stock not timed (--stock)
+
+    for r in results:
+        for row in r["rows"]:
+            kernels = " / ".join(
+                str((row["nodes"].get(side) or {}).get("kernel", "–"))
+                for side in ("reference", "library", "specialized")
+            )
+            out.append(
+                f"| {r['geometry']} | {row['tokens']} | {cell(row, 'reference_ms', 1)} "
+                f"| {cell(row, 'library_ms', 1)} | {row['specialized_ms']:.1f} "
+                f"| {row['floor_ms']:.2f} | {cell(row, 'speedup_vs_reference', 2)} "
+                f"| {cell(row, 'speedup_vs_library', 2)} | {row['specialized_to_floor']:.1f} "
+                f"| {kernels} |"
+            )
+    stages = [*STAGES, BETWEEN]
+    out += ["", "| geometry | tokens | side | " + " | ".join(stages) + " | sum | graph |"]
+    out.append("| --- | ---: | --- |" + " ---: |" * (len(stages) + 2))
+    for r in results:
+        for row in r["rows"]:
+            for side, split in row["stages_ms"].items():
+                cells = " | ".join(f"{split.get(s, 0):.2f}" for s in stages)
+                out.append(
+                    f"| {r['geometry']} | {row['tokens']} | {side} | {cells} "
+                    f"| {row['marked_ms'][side]:.1f} | {row[f'{side}_ms']:.1f} |"
+                )
+    return "\n".join(out)
