@@ -38,6 +38,7 @@ def test_stock_unless_asked(vllm_config):
 
 
 def test_supported_deployment_builds_the_decode_config(vllm_config):
+    from glm5_policy import Policy
     from glm5_vllm.config import specialized_decode_config, unsupported
 
     config = _good(vllm_config, policy={"moe": {"1-8": "per_route", "9-64": "grouped"}})
@@ -45,8 +46,9 @@ def test_supported_deployment_builds_the_decode_config(vllm_config):
     decode = specialized_decode_config(config, H200)
     assert decode.q == 1 and decode.planned_tokens == (1, 2, 4, 8, 16, 32, 64)
     assert decode.policy("moe", 8) == "per_route" and decode.policy("router", 1) == "split_k"
-    sm100 = specialized_decode_config(config, (10, 0))
-    assert sm100.policy("logits_head", 8) == "cute"  # the SM100 table
+    sm100 = specialized_decode_config(config, (10, 0))  # the SM100 table under the user's
+    assert sm100.policy == Policy.from_json(config.additional_config["policy"], family="sm100")
+    assert sm100.policy("shared_expert", 16) is None and decode.policy("shared_expert", 16)
 
 
 def _set(obj, **values):
