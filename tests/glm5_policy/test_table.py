@@ -120,12 +120,26 @@ def test_default_tables_cover_every_stage_with_the_seeds_split(family):
     # every 8-token one: SM90 runs it at 1-4 tokens; SM100 keeps it off until measured there.
     # The sparse MLA decode stays off on both (not measured against vLLM's own kernel), and
     # so do the indexer's pool write and selection (built and CPU-checked, not yet
-    # measured on a GPU).
-    off = {"dsa_attn", "dsa_indexer", "dsa_kpool"}
-    off |= {"logits_head"} if family == "sm90" else {"kda"}
+    # measured on a GPU). The seed's CuTe LM head is not built: no table names it, and SM100
+    # keeps the stock head until the skinny one is measured there.
+    off = {"dsa_attn", "dsa_indexer", "dsa_kpool", "logits_head"}
+    off |= set() if family == "sm90" else {"kda"}
     assert {stage for stage in STAGES if not policy.enabled(stage)} == off
     if family == "sm90":
         assert [policy("kda", m) for m in (1, 4, 5)] == ["fused", "fused", None]
+
+
+@pytest.mark.parametrize(
+    "table, named",
+    [({"kda_gate": "cute"}, "kda_gate"), ({"dsa_value_up": {"1-16": "cute"}}, "dsa_value_up"),
+     ({"logits_head": "cute"}, "'cute'"), ({"kda": {"1-4": "split_gate"}}, "'split_gate'")],
+)  # fmt: skip
+def test_unbuilt_kernels_are_refused_by_name(table, named):
+    """A stage or choice the seed names but no kernel implements is one error saying so,
+    never a table that runs something else."""
+    with pytest.raises(PolicyError, match="not built") as e:
+        Policy.from_json(table, "sm90")
+    assert named in str(e.value)
 
 
 def problems_of(obj, **kw):

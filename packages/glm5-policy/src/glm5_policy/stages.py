@@ -24,24 +24,33 @@ STAGES: MappingProxyType[str, frozenset[str]] = MappingProxyType(
         "shared_expert": frozenset({"gemv"}),
         # The BF16 router GEMM as split-K.
         "router": frozenset({"split_k"}),
-        # All-reduce + mHC post + Sinkhorn pre + RMSNorm in one kernel.
-        "boundary": frozenset({"nvlink"}),
+        # (All-reduce +) mHC post + Sinkhorn pre + RMSNorm in one kernel: the Triton kernel
+        # (every world size), or the CuTe DSL cluster kernel (world size 1; Triton above).
+        "boundary": frozenset({"triton", "cute"}),
         # Layers 0-2's dense SwiGLU MLP as FP8 block-scaled GEMVs.
         "dense_mlp": frozenset({"gemv"}),
-        # KDA conv + gate + recurrence + gated norm in one kernel; `split_gate` computes
-        # the forget gate in a separate kernel and folds it into the recurrence.
-        "kda": frozenset({"fused", "split_gate"}),
+        # KDA conv + gate + recurrence + gated norm in one kernel.
+        "kda": frozenset({"fused"}),
         # KDA input projections as one skinny GEMM.
         "kda_proj": frozenset({"gemm"}),
-        "kda_gate": frozenset({"cute"}),
         # MLA / indexer projections routed to split-K skinny GEMMs.
         "dsa_proj": frozenset({"split_k"}),
         "dsa_indexer": frozenset({"fused"}),
         "dsa_attn": frozenset({"sparse"}),
-        "dsa_value_up": frozenset({"cute"}),
         "dsa_kpool": frozenset({"fused"}),
         "logits_gather": frozenset({"nvlink"}),
-        # The LM head GEMM: the seed's CuTe kernel, or glm5-kernels' skinny GEMM.
-        "logits_head": frozenset({"cute", "skinny"}),
+        # The LM head GEMM as glm5-kernels' skinny GEMM.
+        "logits_head": frozenset({"skinny"}),
+    }
+)
+
+# Named by the seed's design but not built: a table naming one is refused with the reason
+# (`stage` or `stage.choice`), never run as something else.
+NOT_BUILT: MappingProxyType[str, str] = MappingProxyType(
+    {
+        "kda_gate": "not built (the seed's CuTe KDA gate; the fused `kda` step computes the gate)",
+        "dsa_value_up": "not built (the seed's CuTe value-up; `dsa_attn: sparse` includes it)",
+        "kda.split_gate": "not built (the forget gate in its own kernel; `fused` is)",
+        "logits_head.cute": "not built (the seed's CuTe LM head; `skinny` is)",
     }
 )

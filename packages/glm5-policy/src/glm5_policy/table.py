@@ -25,7 +25,7 @@ from itertools import pairwise
 from types import MappingProxyType
 from typing import Any
 
-from .stages import FAMILIES, MAX_TOKENS, STAGES
+from .stages import FAMILIES, MAX_TOKENS, NOT_BUILT, STAGES
 
 # (first, last, choice): an inclusive token range, sorted and disjoint within a stage.
 Range = tuple[int, int, str]
@@ -101,7 +101,9 @@ def _choice(stage: str, value: Any, where: str, problems: list[str]) -> str | No
     """A valid choice of `stage`, None for stock; notes a problem otherwise."""
     if value is None or value is False:
         return None
-    if not isinstance(value, str) or value not in STAGES[stage]:
+    if isinstance(value, str) and f"{stage}.{value}" in NOT_BUILT:
+        problems.append(f"{where}: {value!r} is {NOT_BUILT[f'{stage}.{value}']}")
+    elif not isinstance(value, str) or value not in STAGES[stage]:
         known = ", ".join(sorted(STAGES[stage]))
         shown = reprlib.repr(value)  # a deeply nested value must not recurse here
         problems.append(f"{where}: unknown choice {shown} (expects one of {known} or null)")
@@ -176,6 +178,9 @@ def _parse(
     table: dict[str, tuple[Range, ...]] = {}
     for stage, value in obj.items():
         at = f"{where}[{stage!r}]"
+        if isinstance(stage, str) and stage in NOT_BUILT:
+            problems.append(f"{at}: {NOT_BUILT[stage]}")
+            continue
         if not isinstance(stage, str) or stage not in STAGES:
             known = ", ".join(sorted(STAGES))
             problems.append(f"{at}: unknown stage (known: {known})")

@@ -90,11 +90,6 @@ class LayerStages:
         self._build("dsa_attn", self._dsa_attn, choice="sparse")
         self._build("dsa_kpool", self._dsa_kpool, choice="fused")
         self._build("dsa_indexer", self._dsa_indexer, choice="fused")
-        # `split_gate` is not built yet: say so once rather than run stock without a word.
-        split = [m for m in self.batches if self.policy("kda", m) == "split_gate"]
-        if split and any(x.attention == "kda" for x in self.layers):
-            logger.warning("Specialized decode: kda split_gate is not built; %s-token steps "
-                           "run KDA stock", ",".join(map(str, split)))  # fmt: skip
 
     def _build(self, stage: str, build: Callable[[list[int]], None], choice=None) -> None:
         """Build one stage for the token counts the policy gives it (`choice`: only those
@@ -227,8 +222,7 @@ class LayerStages:
     def _dsa_attn(self, tokens: list[int]) -> None:
         """Each MLA layer's attention over the indexer's selection and its value-up as one
         `SparseMlaDecode` (two launches), between the absorbed query and o_proj (route
-        `self_attn.dsa_attn`). (`dsa_value_up` names no separate op: the value-up is the
-        stage's second launch.)"""
+        `self_attn.dsa_attn`); the value-up is the stage's second launch."""
         b = self.backbone
         mla = b.mla
         if mla is None:
@@ -411,7 +405,10 @@ class SpecializedDecode(LayerStages):
             missing.append("norm.weight")
         if missing:
             raise ValueError(f"no {', '.join(missing)}")
-        op = MhcBoundary(b.mhc, max_tokens=max(tokens), device=final.device)
+        # `cute`: the CuTe DSL cluster kernel where it builds (world size 1: with an exchange,
+        # and where it cannot build, MhcBoundary runs the Triton kernel and says so once).
+        cute = [m for m in tokens if self.policy("boundary", m) == "cute"]
+        op = MhcBoundary(b.mhc, max_tokens=max(tokens), device=final.device, cute_tokens=cute)
         for w in sites.values():
             op.check_weights(*w)
         op.check_weights(*sites[self.layers[0].index, "attn"][:3], final)

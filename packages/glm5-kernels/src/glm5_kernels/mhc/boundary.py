@@ -165,9 +165,10 @@ class MhcBoundary:
 
     @staticmethod
     def cute_tb(m: int) -> int:
-        """Tokens a cluster: at most 8 clusters of 16 CTAs (128 SMs), each as few tokens as
-        that allows (the mix GEMV's FMAs a CTA grow with its tokens)."""
-        return next(tb for tb in (1, 2, 4, 8) if -(-m // tb) <= 8)
+        """Tokens a cluster: as few as keep the clusters to 16 (256 CTAs, two an SM: the
+        mix GEMV's FMAs a CTA grow with its tokens, and an SM's second CTA hides latency;
+        H200 sweep, benchmarks/boundary.py --sweep: one token a cluster fastest up to 16)."""
+        return next(tb for tb in (1, 2, 4, 8) if -(-m // tb) <= 16)
 
     def supports(self, m: int) -> bool:
         return 1 <= m <= self.max_tokens

@@ -1,0 +1,33 @@
+"""Child of test_cute_compile.py: compiles every CuTe DSL kernel configuration the ops use for
+one architecture (CUTE_DSL_ARCH, set by the parent) with PTX kept in the working directory,
+and prints what it compiled."""
+
+import sys
+from pathlib import Path
+
+from glm5_kernels.mhc import cute_mhc
+from glm5_kernels.mhc.boundary import MhcBoundary
+
+CONFIG = dict(hidden=4096, rms_eps=1e-6, hc_eps=1e-6, norm_eps=1e-5, post_mult=2.0,
+              sinkhorn_iters=20, pdl=True)  # fmt: skip
+
+
+def mhc_cases() -> int:
+    """Every mode at one token a cluster, the post at every tokens-a-cluster the plan uses,
+    BF16 mix weights once."""
+    f32 = ("float32", "float32", "float32", "bfloat16")
+    cases = [(cute_mhc.GIVEN, False, False, 1, f32), (cute_mhc.EXPAND, False, True, 1, f32),
+             (cute_mhc.POST, True, False, 1, f32),
+             (cute_mhc.POST, False, True, 1, ("bfloat16", "bfloat16", "bfloat16", "float32"))]  # fmt: skip
+    cases += [(cute_mhc.POST, False, True, tb, f32)
+              for tb in sorted({MhcBoundary.cute_tb(m) for m in range(1, 65)})]  # fmt: skip
+    for n, (mode, head, store, tb, weights) in enumerate(cases):
+        cute_mhc.compile_boundary(cute_mhc.slot_dtypes(weights), mode=mode, head=head,
+                                  store=store, tb=tb, **CONFIG)  # fmt: skip
+        for kept in Path().glob("*CuteBoundary*.ptx"):  # the DSL names it by the function
+            kept.rename(f"mhc-{n}-{'head' if head else 'mix'}.ptx")
+    return len(cases)
+
+
+if __name__ == "__main__":
+    print(f"{sys.argv[1]}: compiled {mhc_cases()} CuTe mHC kernels")

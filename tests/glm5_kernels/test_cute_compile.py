@@ -1,0 +1,42 @@
+"""The CuTe DSL kernels compile for SM90 (Hopper) and SM100 (Blackwell) on this CPU
+(`CUTE_DSL_ARCH`: the DSL compiles without a GPU, it cannot run), in a child process per
+architecture (cute_compile_cases.py). The kept PTX of the mHC boundary shows what the design
+relies on: the weights' loads issued before the PDL wait, the cluster's partial sums stored
+into the peers' shared memory by st.async completing on an mbarrier, no global atomics and
+no local memory."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cutlass", reason="the CuTe DSL (glm5-kernels[cute]) is not installed")
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_cute_kernels_compile(arch, tmp_path):
+    env = {**os.environ, "CUTE_DSL_ARCH": arch, "CUTE_DSL_KEEP_PTX": "1"}
+    script = Path(__file__).with_name("cute_compile_cases.py")
+    child = subprocess.run([sys.executable, str(script), arch], env=env, cwd=tmp_path,
+                           capture_output=True, text=True)  # fmt: skip
+    assert child.returncode == 0, child.stderr[-4000:]
+    assert f"{arch}: compiled 8 CuTe mHC kernels" in child.stdout, child.stdout
+    ptx = sorted(tmp_path.glob("mhc-*.ptx"))
+    assert len(ptx) == 8, [p.name for p in ptx]
+    for path in ptx:
+        text = path.read_text()
+        assert f".target {arch.removeprefix('sm_')}" in text or f".target {arch}" in text
+        body = text[text.index("griddepcontrol.wait") :]
+        before = text[: text.index("griddepcontrol.wait")]
+        # fn (24 x 4 values a thread, where the kernel mixes) and the norm weight before the wait.
+        weights = 1 if path.stem.endswith("head") else 24 * 4 + 1
+        assert before.count("ld.global") >= weights, path.name
+        assert "ld.global" in body, "the inputs are read after the wait"
+        assert "barrier.cluster.arrive" in before and "barrier.cluster.wait" in body
+        assert re.search(r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes", body)
+        assert "mbarrier.try_wait" in body
+        assert "atom.global" not in text and "red.global" not in text
+        assert ".local" not in text, "a register array fell to local memory"
