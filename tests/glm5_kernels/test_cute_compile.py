@@ -23,9 +23,10 @@ def test_cute_kernels_compile(arch, tmp_path):
     child = subprocess.run([sys.executable, str(script), arch], env=env, cwd=tmp_path,
                            capture_output=True, text=True)  # fmt: skip
     assert child.returncode == 0, child.stderr[-4000:]
-    assert f"{arch}: compiled 8 CuTe mHC kernels" in child.stdout, child.stdout
+    compiled = re.search(rf"{arch}: compiled (\d+) CuTe mHC kernels", child.stdout)
+    assert compiled and int(compiled.group(1)) >= 6, child.stdout  # 4 modes + the post's tb
     ptx = sorted(tmp_path.glob("mhc-*.ptx"))
-    assert len(ptx) == 8, [p.name for p in ptx]
+    assert len(ptx) == int(compiled.group(1)), [p.name for p in ptx]
     for path in ptx:
         text = path.read_text()
         assert f".target {arch.removeprefix('sm_')}" in text or f".target {arch}" in text

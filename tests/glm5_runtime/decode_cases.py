@@ -2,6 +2,7 @@
 and `shadow`, which makes each stage op also run the stock op it replaces on the same input."""
 
 import torch
+from moe_routing import assert_routing
 
 from glm5_kernels.dsa import (
     index_topk_ref,
@@ -13,10 +14,12 @@ from glm5_kernels.kda import kda_decode_ref
 
 # The MoE stage: per-route at 1-4 tokens, grouped at 5-16 and 33-64 (16-token groups cut
 # there), stock router + shared expert ops at 17-32. The fused mHC boundaries everywhere
-# but 17-20 tokens (the stock boundaries beside the stages there).
+# but 17-20 tokens (the stock boundaries beside the stages there): the CuTe DSL kernel at
+# 1-8 and 21-64 tokens (where it builds: a CUDA GPU; the Triton kernel otherwise), the
+# Triton one at 9-16.
 ALL_STAGES = {
     "moe": {"1-4": "per_route", "5-16": "grouped", "33-64": "grouped"},
-    "boundary": {"1-16": "nvlink", "21-64": "nvlink"},
+    "boundary": {"1-8": "cute", "9-16": "triton", "21-64": "cute"},
     "kda": {"1-64": "fused"},
     "dsa_attn": {"1-64": "sparse"},
     "dsa_indexer": {"1-64": "fused"},
@@ -34,19 +37,28 @@ ALL_STAGES = {
     },
 }
 
-# Per-call bounds against the stock op on the same input: BF16 output rounding (2^-9 rms, with
-# margin) for the projections and exact-input FP32 for the router. The FP8 MLPs re-quantize
-# their BF16 intermediate, whose one-ulp moves flip FP8 codes; at one token (a single row of
-# codes, no averaging over rows) thousands of replays reach 2.7e-2 on the H200. Their bound is
-# 2^-4: every intermediate code half an e4m3 step off. glm5-kernels' own tests check the two
-# GEMMs apart, tightly; here a wrong weight or row (error ~1) is what must not pass.
-# The MoE layer: the same FP8 MLP bound on its routed + shared sum (whose routing is exact:
-# the tests' models route every token to every expert). The fused KDA step against
-# kda_decode_ref on the same caches: its BF16 rows round twice (o, then the gated norm: ~2^-8.5
-# rms) and a conv output may land on the neighbouring BF16 (the sums' order), which the
-# state carries: 2^-7 for the rows and for the state it writes.
+# Per-call bounds against the stock op on the same input, on every row (a token's output, a
+# cache slot): the worst row's relative L2 error, so that one wrong row among 64 fails as
+# surely as a wrong tensor. The same bounds on CPU and GPU, each the worst case of the
+# rounding the op may do differently from stock:
+# - Projection: BF16 outputs of the same FP32 sums in another order, each element at most one
+#   BF16 ulp (<= 2^-7 of itself) from stock's: 2^-7 a row.
+# - Router: exact BF16 products summed in FP32 in another order (split-K on the GPU), ~sqrt(K)
+#   2^-24 of the row (2^-18 at K = 4096), 8x for a row's maximum over a step: 2^-15.
+# - FP8 MLPs (SharedExpert, DenseMlp, the MoE layer's routed + shared sum on the kernel's
+#   own routing): the BF16 intermediate is re-quantized, and where a one-ulp move flips an
+#   e4m3 code the product moves by up to half a step (2^-4); at one token thousands of
+#   replays reach 2.7e-2 on the H200. glm5-kernels' own tests check the GEMMs apart, tightly.
+# - The fused KDA step against kda_decode_ref on the same caches: its BF16 rows round twice
+#   (o, then the gated norm: ~2^-8.5 rms) and a conv output may land on the neighbouring
+#   BF16 (the sums' order), which the state carries: 2^-7 for each row and state slot.
+# - Sparse MLA: BF16 output of FP32 softmax-weighted sums, 2^-7; the pool write's FP8 keys
+#   and queries as values, a code a step off where a BF16 rounding upstream was: 2^-4.
+# - The selection (IndexerTopk), the ring and the conv state (raw copies): exact.
+# The MoE layer's routing ("Routing") is checked apart: route_ref's pick from the kernel's own
+# logits, tie-tolerant (moe_routing.assert_routing), and those logits as a Router's.
 CALL_BOUND = {
-    "Projection": 4e-3, "Router": 1e-5, "SharedExpert": 2**-4, "DenseMlp": 2**-4,
+    "Projection": 2**-7, "Router": 2**-15, "SharedExpert": 2**-4, "DenseMlp": 2**-4,
     "MoeLayer": 2**-4, "KdaDecode": 2**-7, "KdaState": 2**-7, "SparseMlaDecode": 2**-7,
     "IndexerTopk": 0.0, "KpoolQueries": 2**-4, "KpoolPages": 2**-4,
 }  # fmt: skip
@@ -90,12 +102,12 @@ class Shadow:
             ref = sparse_mla_decode_ref(x, *args, self.op.w_uv, self.op.scale)
             self.pairs.append(("SparseMlaDecode", self.name, y, ref))
             return y
+        if type(self.op).__name__ == "MoeLayer":
+            return self._moe(x)
         y = self.op(x)
         routes, self.rank.routes = self.rank.routes, {}  # the stock op, this once
         try:
-            if type(self.op).__name__ == "MoeLayer":  # the whole MoE layer: "layers.{i}.mlp"
-                ref = self.rank.moe(int(self.name.split(".")[1]), x)
-            elif self.name.endswith(".gate.weight"):
+            if self.name.endswith(".gate.weight"):
                 ref = torch.nn.functional.linear(x.float(), self.rank.w[self.name].float())
             elif self.name.endswith(".weight"):
                 ref = self.rank.linear(x, self.name)
@@ -104,6 +116,40 @@ class Shadow:
         finally:
             self.rank.routes = routes
         self.pairs.append((type(self.op).__name__, self.name, y, ref))
+        return y
+
+    def _moe(self, x):
+        """The whole MoE layer ("layers.{i}.mlp"). Its router's logits against the stock
+        router's (Router), the experts it picked from them against route_ref's pick from the
+        same logits and the weights' correction bias (Routing: tie-tolerant, as the kernel
+        tests check it), and its output against the stock experts + shared expert on the
+        kernel's own routing (MoeLayer), so that an expert chosen either way from a near tie
+        is no error while a wrong pick, weight or row is."""
+        seen = []
+        for experts in set(self.op.experts.values()):  # the call's routing, as it ran
+            experts._run = _recording(type(experts)._run.__get__(experts), seen)
+        try:
+            y = self.op(x)
+        finally:
+            for experts in set(self.op.experts.values()):
+                del experts._run
+        ((logits, rows),) = seen
+        rank, p = self.rank, self.name
+        routes, rank.routes, rank.shadowing = rank.routes, {}, True  # the stock ops, this once
+        try:
+            stock_logits = torch.nn.functional.linear(x.float(), rank.w[f"{p}.gate.weight"].float())
+            routed = rank.experts(f"{p}.experts", x, rows.ids.long(), rows.weights)
+            ref = routed.to(x.dtype) + rank._swiglu_mlp(f"{p}.shared_experts", x)
+        finally:
+            rank.routes, rank.shadowing = routes, False
+        bias, g = rank.w[f"{p}.gate.e_score_correction_bias"], rank.g
+        self.pairs.append(("Router", p, logits, stock_logits))
+        self.pairs.append(("Routing", p, (logits, rows.ids, rows.weights),
+                           (bias, g.num_experts_per_tok, g.routed_scaling_factor)))  # fmt: skip
+        self.pairs.append(("MoeLayer", p, y, ref))
+        choices = getattr(rank, "choices", None)
+        if choices is not None:
+            choices.append((p, rows.ids.long().sort(-1).values))
         return y
 
     def _kpool(self, k, gate, q, tail, pages, block_table, positions, tail_rows):
@@ -136,6 +182,224 @@ class Shadow:
         return y
 
 
+def _recording(run, seen):
+    """An experts op's `_run` that also keeps each call's (router logits, MoeRows)."""
+
+    def recorded(x, m, logits, ids, weights, **kw):
+        rows, out = run(x, m, logits, ids, weights, **kw)
+        seen.append((logits, rows))
+        return rows, out
+
+    return recorded
+
+
+def record_choices(model) -> None:
+    """From now on each rank of `model` logs the choices its steps make, in call order, to
+    `rank.choices`: every MoE layer's expert set per token ("layers.{i}.mlp", ids sorted,
+    from the stock router + route_ref or from the MoE stage's kernel) and every indexer's
+    selection ("layers.{i}.indexer", token indices). Two models whose logs agree took the
+    same discrete path through a step; only then are their outputs comparable: a near tie
+    chosen either way by rounding moves a token's output O(1)."""
+    for rank in model.ranks:
+        rank.choices = []
+        experts, indexer = rank.experts, rank.indexer
+
+        def logged_experts(prefix, x, ids, weights, rank=rank, experts=experts):
+            if not getattr(rank, "shadowing", False):  # not a Shadow's stock call
+                rank.choices.append((prefix.rsplit(".", 1)[0], ids.long().sort(-1).values))
+            return experts(prefix, x, ids, weights)
+
+        def logged_indexer(layer, *args, rank=rank, indexer=indexer):
+            topk = indexer(layer, *args)
+            rank.choices.append((f"layers.{layer}.indexer", topk.long()))
+            return topk
+
+        rank.experts, rank.indexer = logged_experts, logged_indexer
+
+
+def follow_choices(model, leader) -> None:
+    """From now on `model`'s steps make the discrete choices `leader`'s last step logged
+    (`record_choices`), call by call (leader's step first): each MoE layer's experts, with
+    the route weights from `model`'s own logits as route_ref forms them, and each indexer's
+    selection (the indexer still runs and writes its caches). For a noise yardstick: the
+    same discrete path in another precision, all of its rounding and none of its ties."""
+    for rank, lead in zip(model.ranks, leader.ranks, strict=True):
+        rank.choices, seen = [], {}
+        router, experts, indexer = rank.router, rank.experts, rank.indexer
+
+        def led(name, rank=rank, lead=lead):
+            i = sum(n == name for n, _ in rank.choices)
+            picks = [x for n, x in lead.choices if n == name]
+            assert i < len(picks), f"{name}: the leader made no such choice"
+            rank.choices.append((name, picks[i]))
+            return picks[i]
+
+        def led_router(name, x, seen=seen, router=router):
+            seen["logits"] = router(name, x)
+            return seen["logits"]
+
+        def led_experts(prefix, x, ids, weights, rank=rank, experts=experts, seen=seen, led=led):
+            ids = led(prefix.rsplit(".", 1)[0]).to(ids.device)
+            s = torch.sigmoid(seen["logits"].float()).gather(1, ids)
+            weights = s / (s.sum(-1, keepdim=True) + 1e-20) * rank.g.routed_scaling_factor
+            return experts(prefix, x, ids, weights)
+
+        def led_indexer(layer, *args, indexer=indexer, led=led):
+            topk = indexer(layer, *args)
+            return led(f"layers.{layer}.indexer").to(topk.device, topk.dtype).view_as(topk)
+
+        rank.router, rank.experts, rank.indexer = led_router, led_experts, led_indexer
+
+
+def agreeing(a, b, requests: int) -> torch.Tensor:
+    """[requests] bool: the requests for which two models' logged choices (`record_choices`)
+    since the last `clear_choices` agree — the same experts for each of the request's tokens
+    in every MoE layer, the same selection in every indexer. Requests are independent within
+    a step (each reads only its own caches), so an agreeing request's rows are comparable
+    even where another request's near tie went the other way. The same calls on both sides."""
+    return agreeing_logs(*(choices(m) for m in (a, b)), requests)
+
+
+def choices(model) -> list:
+    """The model's logged choices (`record_choices`), its ranks' in rank order."""
+    return [c for rank in model.ranks for c in rank.choices]
+
+
+def agreeing_logs(a: list, b: list, requests: int) -> torch.Tensor:
+    """`agreeing` on two logs (`choices`): under CUDA graphs, those a capture recorded,
+    whose tensors each replay refreshes."""
+    assert [n for n, _ in a] == [n for n, _ in b], "the models ran different calls"
+    same = torch.ones(requests, dtype=torch.bool)
+    for (_, x), (_, y) in zip(a, b, strict=True):
+        # Per request, its tokens' rows; where one side ran fewer rows (an MTP draft prefill
+        # passes only each request's last row past the attention), its last ones.
+        x, y = (t.reshape(requests, -1, t.shape[-1]) for t in (x, y.to(x.device)))
+        rows = min(x.shape[1], y.shape[1])
+        same &= (x[:, -rows:] == y[:, -rows:]).flatten(1).all(-1).cpu()
+    return same
+
+
+def rel_rows(a, b, row_dims: int = 1) -> torch.Tensor:
+    """Relative L2 distance of each row of a from b's (a row: the last `row_dims` dims; a
+    token's hidden state, a cache slot), in FP64, flattened; equal zero rows: no error."""
+    a, b = (t.double().flatten(end_dim=-row_dims - 1).flatten(1) for t in (a, b))
+    num = (a - b).norm(dim=1)
+    return torch.where(num == 0, 0.0, num / b.norm(dim=1))
+
+
+def clear_choices(*models) -> None:
+    for m in models:
+        for rank in m.ranks:
+            rank.choices.clear()
+
+
+CACHES = ("conv", "recurrent", "latent", "tail", "kpool")
+SLOT_DIMS = {"recurrent": 3, "latent": 1, "tail": 1, "conv": 2}  # compared caches: a slot's dims
+
+
+def copy_caches(dst, src) -> None:
+    """Every cache of `src`'s ranks into `dst`'s (after a step whose choices differed: the
+    next step starts both from the same state)."""
+    for a, b in zip(dst.ranks, src.ranks, strict=True):
+        for kind in CACHES:
+            for layer, cache in getattr(a.c, kind).items():
+                cache.copy_(getattr(b.c, kind)[layer])
+
+
+def written(step, kind: str, r: int) -> torch.Tensor:
+    """The rows of cache `kind` that request r's step writes (`Step`'s slots): its KDA states
+    kept, its conv row, its tokens' latent slots, its indexer ring."""
+    if kind == "recurrent":
+        slots = step.write_slots[r]
+        return slots[slots >= 0].long()
+    one = {"conv": step.conv_slots, "tail": step.tail_rows}.get(kind)
+    return one[r : r + 1].long() if one is not None else step.slots[r].long()
+
+
+class Yardstick:
+    """Per-row errors of the specialized model's steps against stock, beside the noise
+    yardstick measured in the same run: the stock BF16 model's errors against the same model
+    in FP32, whose rounding differs from stock's as much as the specialized op order does.
+
+    Every step starts all models from the stock model's caches (`start`), so each step's
+    errors are its own. The FP32 model follows the stock model's discrete choices
+    (`follow_choices`), so every row measures rounding. Per step (`compare`), a request's
+    rows count only where the specialized model made the same choices as stock for it
+    (`agreeing`): each token's hidden state and logits as a row; the caches per slot where
+    every request agreed. `check` holds the worst specialized row of each kind to MARGIN x
+    the worst yardstick row of that kind. MARGIN 2: the specialized and stock sides both
+    round (their BF16 outputs and caches) where the FP32 yardstick rounds once, so two
+    roundings apart where it is one; a semantic slip (a wrong expert, weight or row) moves a
+    row by O(1), 5x the bound and more."""
+
+    MARGIN = 2.0
+
+    def __init__(self, stock, spec, fp32):
+        self.models = (stock, spec, fp32)
+        self.worst = {"spec": {}, "noise": {}}
+        self.rows = self.compared = self.cache_steps = 0
+        record_choices(stock)
+        record_choices(spec)
+        follow_choices(fp32, stock)
+
+    def start(self):
+        """Before a step: the other models' caches from stock's, the choice logs cleared."""
+        stock, spec, fp32 = self.models
+        copy_caches(spec, stock)
+        copy_caches(fp32, stock)
+        clear_choices(*self.models)
+
+    def _worse(self, side, kind, errors):
+        if errors.numel():
+            w = self.worst[side]
+            w[kind] = max(w.get(kind, 0.0), errors.max().item())
+
+    def compare(self, h_stock, h_spec, h_fp32, logits=None, step=None):
+        """After a step: hidden states [R, T, D] of each model (and (spec, stock, fp32)
+        logits [R * T, V]); `step`: the stock model's placement, whose slots tell each
+        request's cache rows (None: the caches where every request agreed)."""
+        stock, spec, fp32 = self.models
+        requests = h_stock.shape[0]
+        ok = agreeing(stock, spec, requests)
+        assert agreeing(stock, fp32, requests).all()  # it follows
+        self.rows += h_stock[..., 0].numel()
+        self.compared += h_stock[ok][..., 0].numel()
+        self._worse("spec", "hidden", rel_rows(h_spec[ok], h_stock[ok]))
+        self._worse("noise", "hidden", rel_rows(h_fp32, h_stock))
+        if logits is not None:
+            a, b, c = (x.reshape(requests, -1, x.shape[-1]) for x in logits)
+            self._worse("spec", "logits", rel_rows(a[ok], b[ok]))
+            self._worse("noise", "logits", rel_rows(c, b))
+        for side, model, mine in (("spec", spec, ok), ("noise", fp32, torch.ones_like(ok))):
+            if step is None and not mine.all():
+                continue
+            picked = range(requests) if step is None else mine.nonzero()[:, 0].tolist()
+            self.cache_steps += len(picked) if side == "spec" else 0
+            for a, b in zip(model.ranks, stock.ranks, strict=True):
+                for kind, dims in SLOT_DIMS.items():
+                    for layer, cache in getattr(b.c, kind).items():
+                        got = getattr(a.c, kind)[layer]
+                        if step is not None:  # the rows the picked requests wrote
+                            rows = [written(step, kind, r) for r in picked]
+                            rows = torch.cat(rows) if rows else rows
+                            if kind == "latent":
+                                got, cache = got.flatten(0, 1), cache.flatten(0, 1)
+                            got, cache = got[rows], cache[rows]
+                        self._worse(side, kind, rel_rows(got, cache, dims))
+
+    def check(self, min_compared=0.5):
+        """Each kind's worst specialized row within MARGIN x its worst yardstick row; at
+        least `min_compared` of the rows compared and one request's caches."""
+        spec, noise = self.worst["spec"], self.worst["noise"]
+        summary = {k: f"{v:.2e} (noise {noise.get(k, float('nan')):.2e})" for k, v in spec.items()}
+        print(f"worst per row, specialized vs stock: {summary}; rows compared "
+              f"{self.compared} of {self.rows}")  # fmt: skip
+        assert self.compared >= min_compared * self.rows, summary
+        assert self.cache_steps and set(spec) == set(noise), summary
+        for kind, err in spec.items():
+            assert err <= self.MARGIN * noise[kind], (kind, summary)
+
+
 def shadow(stages, model, pairs) -> set[str]:
     """Wrap every route of `stages` (a LayerStages over `model`) in a Shadow; the names."""
     for b, routes in stages.routes.items():
@@ -144,9 +408,19 @@ def shadow(stages, model, pairs) -> set[str]:
 
 
 def check_calls(pairs, worst=None) -> None:
-    """Every recorded call within its bound; the worst error per kind into `worst`."""
+    """Every recorded call's worst row within its bound, every MoE routing route_ref's; the
+    worst row error per kind into `worst`."""
     assert pairs, "no stage op ran"
-    errors = torch.stack([rel_tensor(y, ref) for _, _, y, ref in pairs]).tolist()  # one sync
+    for _, name, got, (bias, k, scaling) in (p for p in pairs if p[0] == "Routing"):
+        logits, ids, weights = got
+        try:
+            assert_routing(logits, bias, k, scaling, ids, weights)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
+    pairs = [p for p in pairs if p[0] != "Routing"]
+    rows = [rel_rows(y.reshape(y.shape[0], -1), ref.reshape(ref.shape[0], -1)).max()
+            for _, _, y, ref in pairs]  # fmt: skip
+    errors = torch.stack(rows).tolist()  # one sync
     for (kind, name, y, ref), err in zip(pairs, errors, strict=True):
         if worst is not None:
             worst[kind] = max(worst.get(kind, 0.0), err)
