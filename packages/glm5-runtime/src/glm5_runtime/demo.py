@@ -60,8 +60,9 @@ class Stock:
     def __init__(self, model: ReferenceModel, graphs: bool):
         self.model, self.graphs = model, graphs
 
-    def step(self, fn, served: Served):
-        return _graphed(fn, served) if self.graphs else fn
+    def runner(self, served: Served):
+        """What runs a step's layers (model.forward's `run`): a CUDA graph a step on a GPU."""
+        return _graphed(self.run, served) if self.graphs else self.run
 
     def run(self, tokens, step):
         return self.model.backbone(tokens, step)
@@ -187,13 +188,16 @@ def warm_up(model: ReferenceModel, path, args) -> None:
     model.release(r)
 
 
-def serve(model: ReferenceModel, path, args, quiet: bool = False) -> Served:
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def serve(model: ReferenceModel, path, args) -> Served:
     """Every prompt on `model`, the target's steps by `path`, printed as it goes."""
     device, g, q = model.device, model.g, 1 + args.spec
     served = Served(path.name)
-    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     cuda = device.type == "cuda"
-    step = path.step(path.run, served)
+    step = path.runner(served)
     # The stock path's split (the specialized stages run inside the layer loop, and a
     # capture must not synchronize).
     timer = StageTimer(model) if path.name == "stock" and not path.graphs else None
