@@ -125,14 +125,18 @@ class Shadow:
         tests check it), and its output against the stock experts + shared expert on the
         kernel's own routing (MoeLayer), so that an expert chosen either way from a near tie
         is no error while a wrong pick, weight or row is."""
-        seen = []
+        seen, saved = [], {}
         for experts in set(self.op.experts.values()):  # the call's routing, as it ran
-            experts._run = _recording(type(experts)._run.__get__(experts), seen)
+            saved[experts] = vars(experts).get("_run")
+            experts._run = _recording(experts._run, seen)
         try:
             y = self.op(x)
         finally:
-            for experts in set(self.op.experts.values()):
-                del experts._run
+            for experts, run in saved.items():
+                if run is None:
+                    del experts._run
+                else:
+                    experts._run = run
         ((logits, rows),) = seen
         rank, p = self.rank, self.name
         routes, rank.routes, rank.shadowing = rank.routes, {}, True  # the stock ops, this once
@@ -147,9 +151,6 @@ class Shadow:
         self.pairs.append(("Routing", p, (logits, rows.ids, rows.weights),
                            (bias, g.num_experts_per_tok, g.routed_scaling_factor)))  # fmt: skip
         self.pairs.append(("MoeLayer", p, y, ref))
-        choices = getattr(rank, "choices", None)
-        if choices is not None:
-            choices.append((p, rows.ids.long().sort(-1).values))
         return y
 
     def _kpool(self, k, gate, q, tail, pages, block_table, positions, tail_rows):
@@ -215,6 +216,32 @@ def record_choices(model) -> None:
             return topk
 
         rank.experts, rank.indexer = logged_experts, logged_indexer
+
+
+def record_stage_choices(stages, model) -> None:
+    """From now on each MoE stage op of `stages` (a LayerStages over `model`) logs the experts
+    its kernel picked to its rank's `choices` (`record_choices`: the stock path's), under the
+    layer's name, whether it finalizes or hands its rows to a boundary."""
+    done = set()
+    for routes in stages.routes.values():
+        for s, name, op in routes:
+            op = getattr(op, "op", op)  # under a Shadow
+            if type(op).__name__ != "MoeLayer":
+                continue
+            for experts in op.experts.values():
+                if id(experts) not in done:
+                    done.add(id(experts))
+                    experts._run = _logged_run(experts._run, model.ranks[s], name)
+
+
+def _logged_run(run, rank, name):
+    def logged(x, m, logits, ids, weights, **kw):
+        rows, out = run(x, m, logits, ids, weights, **kw)
+        if hasattr(rank, "choices"):
+            rank.choices.append((name, rows.ids.long().sort(-1).values))
+        return rows, out
+
+    return logged
 
 
 def follow_choices(model, leader) -> None:
@@ -334,12 +361,15 @@ class Yardstick:
 
     MARGIN = 2.0
 
-    def __init__(self, stock, spec, fp32):
+    def __init__(self, stock, spec, fp32, stages=()):
+        """`stages`: the LayerStages (decode, draft) over `spec` whose MoE stages choose."""
         self.models = (stock, spec, fp32)
         self.worst = {"spec": {}, "noise": {}}
         self.rows = self.compared = self.cache_steps = 0
         record_choices(stock)
         record_choices(spec)
+        for st in stages:
+            record_stage_choices(st, spec)
         follow_choices(fp32, stock)
 
     def start(self):

@@ -3,17 +3,21 @@ interpreter): planned decode and verify steps equal the stock forward, caches in
 unplanned steps run stock; a stage that cannot be built warns once and runs stock.
 
 Bound. Both sides run BF16 with vLLM's FP8 numerics (activations quantized per token); they
-differ only in accumulation order and output rounding, which BF16 amplifies through the
-layers. So the specialized decode's distance from stock must stay within the stock BF16
-model's own distance from the same model in FP32 (its BF16 noise), and far below any
-semantic slip (a missed route, a wrong weight: O(1))."""
+differ only in accumulation order and output rounding, which BF16 and FP8 re-quantization
+amplify through the layers. So each row (a token's hidden state or logits, a cache slot) of
+the specialized decode must stay within twice the stock BF16 model's own worst row distance
+from the same model in FP32 on the same discrete path (its noise; twice: both BF16 sides
+round where FP32 does not), and far below any semantic slip (a missed route, a wrong weight
+or row: O(1)). The models route for real, so rows are compared only for the requests whose
+experts and selections agree with stock (decode_cases.Yardstick); each stage op's every row
+is held to its rounding bound on the same input (decode_cases.CALL_BOUND)."""
 
 import logging
 import os
 
 import pytest
 import torch
-from decode_cases import ALL_STAGES, check_calls, rel, shadow
+from decode_cases import ALL_STAGES, Yardstick, check_calls, shadow
 
 from glm5_policy import DecodeConfig
 from glm5_runtime.decode import SpecializedDecode
@@ -26,6 +30,11 @@ pytestmark = pytest.mark.skipif(
 
 Q = 2
 SIZES = [1, 2, 4]  # capture sizes: 2 and 4 are q-multiples (planned), 1 is not
+# Of the rows a whole-step test runs, those whose request made the same discrete choices as
+# stock, at least: real routing in BF16 / FP8 numerics flips near ties often (a verify of 5
+# requests x 5 tokens through 3 MoE layers and 2 indexers, 75 expert sets and 25 selections,
+# keeps about a quarter of its requests' choices); what must not happen is comparing none.
+MIN_COMPARED = 1 / 8
 
 
 def _model(g, dtype=torch.bfloat16, q=Q, requests=2):
@@ -56,15 +65,19 @@ def _small(**changes):
     )  # fmt: skip
 
 
-def _smooth():
-    """`_small` with every expert routed and every pool selected."""
-    return _small(num_experts_per_tok=16, index_topk=64)
-
-
 @pytest.mark.parametrize("q", [2, 5])
 def test_planned_steps_equal_stock(q):
-    """q requests: their decode steps (q tokens) and verify steps (q x q) are both planned."""
-    g = _smooth()
+    """q requests: their decode steps (q tokens) and verify steps (q x q) are both planned.
+
+    The model routes for real: each token picks 4 of 16 experts by score + a non-zero
+    correction bias, each indexer 2 of up to 5 pools. Per call, the MoE stage's routing must
+    be route_ref's from its logits (tie-tolerant) and each selection the reference's. End to
+    end, a near tie that the models' rounding resolves differently moves a token's output
+    O(1): each step starts every model from the stock caches, and a request's rows (hidden
+    states, logits; the caches where every request agreed) are compared per row only where
+    the two models made the same choices for it, against the same per-row errors of the stock
+    BF16 model vs FP32 (decode_cases.Yardstick); MIN_COMPARED of the rows at least."""
+    g = _small()
     dtypes = (torch.bfloat16, torch.bfloat16, torch.float32)
     stock, spec, fp32 = models = [_model(g, dtype, q=q, requests=q) for dtype in dtypes]
     decode = _decoder(spec, q=q, sizes=[1, q, q * q])
@@ -90,7 +103,7 @@ def test_planned_steps_equal_stock(q):
     prompt = torch.randint(0, g.vocab_size, (q, 9), generator=gen)
     for m in (stock, spec, fp32):
         m.forward(requests, prompt)  # prefill: stock on every side
-    worst, noise, calls = 0.0, 0.0, {}
+    calls, yardstick = {}, Yardstick(stock, spec, fp32, [decode])
     # A decode (q requests x 1 token) then a verify (q x q), twice. The verifies keep 1 token,
     # then 2 (all of q = 2's, part of q = 5's): KDA resumes from its first, last or a middle
     # state slot.
@@ -98,7 +111,9 @@ def test_planned_steps_equal_stock(q):
         verify = i % 2 == 1
         t = q if verify else 1
         tokens = torch.randint(0, g.vocab_size, (q, t), generator=gen)
-        h_stock = stock.forward(requests, tokens, verify=verify)
+        yardstick.start()
+        step = stock.step(requests, t, verify=verify)  # where each request writes
+        h_stock = stock.forward(requests, tokens, verify=verify, step=step)
         h_spec = spec.forward(requests, tokens, verify=verify, run=planned)
         h_fp32 = fp32.forward(requests, tokens, verify=verify)
         routed = {name for _, name, _ in decode.routes[q * t]}
@@ -113,19 +128,10 @@ def test_planned_steps_equal_stock(q):
             for m in (stock, spec, fp32):
                 for r in requests:
                     m.accept(r, 1 + (i // 2) % q)
-        worst = max(worst, rel(h_spec, h_stock))
-        noise = max(noise, rel(h_stock, h_fp32))
-        logits = decode.compute_logits(h_spec)
-        assert rel(logits, stock.logits(h_stock)) < 2 * noise + 1e-2
-    print(f"specialized vs stock {worst:.2e}, stock BF16 vs FP32 {noise:.2e}, calls {calls}")
-    assert worst <= max(noise, 1e-3), (worst, noise)
-    # The caches the step wrote agree as closely.
-    for layer in g.kda_layers:
-        a, b = stock.ranks[0].c.recurrent[layer], spec.ranks[0].c.recurrent[layer]
-        assert rel(b, a) <= 2 * max(noise, 1e-3)
-    for layer in g.mla_layers:
-        a, b = stock.ranks[0].c.latent[layer], spec.ranks[0].c.latent[layer]
-        assert rel(b, a) <= 2 * max(noise, 1e-3)
+        logits = decode.compute_logits(h_spec), stock.logits(h_stock), fp32.logits(h_fp32)
+        yardstick.compare(h_stock, h_spec, h_fp32, logits, step)
+    print(f"worst per call {calls}")
+    yardstick.check(MIN_COMPARED)
 
 
 def test_unplanned_steps_run_stock():
@@ -215,11 +221,15 @@ def test_stage_that_cannot_compile_warns_once_and_runs_stock(caplog, monkeypatch
 
 def test_draft_steps_equal_stock():
     """MTP draft decodes (one token per request) and draft prefills (q per request, only
-    each request's last row past the attention) against the reference's draft_hidden."""
+    each request's last row past the attention) against the reference's draft_hidden.
+
+    Bound: as the decode's (decode_cases.Yardstick), per row against the stock BF16 draft's
+    own distance from the FP32 draft on the same inputs, where the choices agree; the latent
+    KV it wrote as closely."""
     from glm5_runtime.draft import SpecializedDraft
 
-    g = _smooth()
-    stock, spec = _model(g), _model(g)
+    g = _small()
+    stock, spec, fp32 = _model(g), _model(g), _model(g, torch.float32)
     config = DecodeConfig.build(max_context=64, q=Q, capture_sizes=SIZES, policy=ALL_STAGES)
     draft = SpecializedDraft(ReferenceBackbone(spec), config)
     draft.prepare()
@@ -240,32 +250,35 @@ def test_draft_steps_equal_stock():
     shadow(draft, spec, pairs)
     gen = torch.Generator().manual_seed(4)
     requests = [0, 1]
-    for m in (stock, spec):
+    for m in (stock, spec, fp32):
         assert [m.add(), m.add()] == requests
+    yardstick = Yardstick(stock, spec, fp32, [draft])
     hidden = torch.randn(2, Q, g.hidden_size, generator=gen).bfloat16()
     for t, start in ((Q, 5), (1, 5 + Q), (1, 6 + Q)):  # a draft prefill, then two decodes
         tokens = torch.randint(0, g.vocab_size, (2, t), generator=gen)
         # A decode's positions a column of a wider tensor (a row stride), as a draft after a
         # verify slices them.
         positions = (start + torch.arange(Q).expand(2, Q))[:, :t]
-        ref, _ = stock.draft_hidden(tokens, hidden[:, :t], stock.place(requests, positions))
+        yardstick.start()
+        at = stock.place(requests, positions)
+        ref, _ = stock.draft_hidden(tokens, hidden[:, :t], at)
+        h32, _ = fp32.draft_hidden(tokens, hidden[:, :t].float(), fp32.place(requests, positions))
         placement = spec.place(requests, positions)
         decision = draft.plan(placement, capturing=True)
         assert decision.step is not None and decision.step.q == (Q if t > 1 else 1)
         out = draft.run(decision.step, 0, tokens, hidden[:, :t], placement)
-        ref = ref[:, -1:] if t > 1 else ref
+        ref, h32 = (ref[:, -1:], h32[:, -1:]) if t > 1 else (ref, h32)
         assert out.shape == ref.shape
-        assert rel(out, ref) < 5e-2, rel(out, ref)
+        # The draft's MLA wrote the same latent KV (every token of the prefill included).
+        yardstick.compare(ref, out, h32, step=at)
+    yardstick.check(MIN_COMPARED)
     assert {name for _, name, _, _ in pairs} == routed
     check_calls(pairs)
-    # The draft's MLA wrote the same latent KV (every token of the prefill included).
-    layer = g.num_hidden_layers
-    assert rel(spec.ranks[0].c.latent[layer], stock.ranks[0].c.latent[layer]) < 2e-2
 
 
 def test_planned_step_from_input_embeddings():
     """A multimodal model hands the step its input embeddings instead of token ids."""
-    g = _smooth()
+    g = _small()
     gen = torch.Generator().manual_seed(6)
     prompt = torch.randint(0, g.vocab_size, (Q, 5), generator=gen)
     tokens = torch.randint(0, g.vocab_size, (Q, Q), generator=gen)

@@ -12,15 +12,20 @@ against the stock reference's graph of the same step:
   replays each.
 
 The two models share their weights (the specialized one reads them, never writes). The MoE
-routes every token to all of 16 experts (the real 288 choose 8, which flips under any
-rounding and then moves the output O(1); the router's real shape is covered by glm5-kernels'
-GPU tests); the indexer's top-2048 keeps every pool at these contexts.
+routes for real: 8 of the 288 experts by sigmoid score + correction bias (the checkpoint's
+shapes; random weights). The indexer's top-2048 keeps every pool at these contexts.
 
-Checks per replay: every stage op's output against the stock op it replaced on the same input
-(the per-call bounds of decode_cases.py, FP8 MMA included), and the end-to-end hidden states,
-logits and draft hidden states within 0.1 relative L2 of stock; after each size, the KDA
-states, the latent KV and the indexer key rings of every layer within 0.1. 0.1 is the BF16 /
-FP8 noise yardstick measured on CPU (0.11): FP8 re-quantization flips codes once inputs differ
+Checks per replay: every stage op's worst row against the stock op it replaced on the same
+input (the per-call bounds of decode_cases.py, FP8 MMA included) and each MoE layer's routing
+against route_ref on the kernel's own logits (tie-tolerant). End to end, a near tie resolved
+differently by the two sides' rounding moves a token's output O(1), so every replay starts
+the specialized side from the stock side's caches, and only the requests whose choices agree
+(every MoE layer's experts, every selection: decode_cases.agreeing) are compared: their
+hidden states, logits and draft hidden states within BOUND relative L2 of stock, and every
+cache slot they wrote (KDA states, latent KV, indexer key rings) per slot.
+BOUND: 0.1 at 4 layers, the BF16 / FP8 noise yardstick measured on CPU (0.11), scaled by
+sqrt(L / 4) with depth as rounding perturbations add up over the layers (measured: 0.029 at 4
+layers, 0.10 at 45, all-experts routing); FP8 re-quantization flips codes once inputs differ
 by an ulp, so the end-to-end bound is loose by nature; the per-call checks are the tight ones,
 and a semantic slip (a missed route, a wrong weight or row) moves these by O(1)."""
 
@@ -28,7 +33,21 @@ import math
 
 import pytest
 import torch
-from decode_cases import ALL_STAGES, check_calls, rel, shadow
+from decode_cases import (
+    ALL_STAGES,
+    SLOT_DIMS,
+    agreeing_logs,
+    check_calls,
+    choices,
+    clear_choices,
+    copy_caches,
+    record_choices,
+    record_stage_choices,
+    rel,
+    rel_rows,
+    shadow,
+    written,
+)
 
 from glm5_policy import DecodeConfig
 from glm5_runtime.decode import SpecializedDecode
@@ -53,7 +72,7 @@ def _geometry(full_depth=False):
             mlp_layer_types=("dense", "dense", "sparse", "sparse"),
             indexer_types=("full",) * 4,
         )
-    return geometry("flash-tp4-rank", n_routed_experts=16, num_experts_per_tok=16, **kw)
+    return geometry("flash-tp4-rank", **kw)  # 288 experts, top-8
 
 
 def _copy_step(dst, src):
@@ -64,15 +83,19 @@ def _copy_step(dst, src):
 
 class Captured:
     """One side's step of a fixed shape as a CUDA graph over static inputs; calling it with
-    (*inputs, step) replays it and returns a copy of its first output."""
+    (*inputs, step) replays it and returns a copy of its first output. `log`: the choices
+    (decode_cases.record_choices) the capture recorded, which each replay refreshes."""
 
-    def __init__(self, fn, *args):
+    def __init__(self, model, fn, *args):
         *inputs, self.step = args
         self.inputs = [x.clone() for x in inputs]
         fn(*self.inputs, self.step)  # warm-up, outside the capture: stock, as in vLLM
+        clear_choices(model)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.out = fn(*self.inputs, self.step)
+        self.log = choices(model)
+        clear_choices(model)
 
     def __call__(self, *args):
         *inputs, step = args
@@ -104,11 +127,16 @@ class Sides:
         assert self.decode.prepare() == set()
         self.pairs, self.draft_pairs = [], []
         shadow(self.decode, self.spec, self.pairs)
+        record_choices(self.stock)
+        record_choices(self.spec)
+        record_stage_choices(self.decode, self.spec)
+        self.compared = self.rows = 0
         self.draft = None
         if with_draft:
             self.draft = SpecializedDraft(backbone, config)
             assert self.draft.prepare() == set()
             shadow(self.draft, self.spec, self.draft_pairs)
+            record_stage_choices(self.draft, self.spec)
         self.gen = torch.Generator("cuda").manual_seed(q)
         # One held rank of TP 4 embeds only its quarter of the vocabulary (the other ranks'
         # rows would arrive through the all-reduce): ids from it keep every hidden state live.
@@ -170,7 +198,7 @@ class Sides:
         verify = q > 1
         # The warm-ups run (and write the caches) eagerly: the same inputs on both sides.
         ids = self.ids(requests, q)
-        main = [Captured(self._main(m), ids, m.step(rows, q, verify)) for m in models]
+        main = [Captured(m, self._main(m), ids, m.step(rows, q, verify)) for m in models]
         drafts = []
         if self.draft is not None:
             at = torch.zeros(requests, q, dtype=torch.long, device="cuda")
@@ -179,19 +207,25 @@ class Sides:
             for t, pos, hid in shapes:
                 ids = self.ids(requests, t)
                 drafts.append(
-                    [Captured(self._draft(m), ids, hid, m.place(rows, pos)) for m in models]
+                    [Captured(m, self._draft(m), ids, hid, m.place(rows, pos)) for m in models]
                 )
         for i in range(self.steps):
             ids = self.ids(requests, q)
             start = torch.tensor([self.stock.lengths[r] for r in rows], device="cuda")
+            copy_caches(self.spec, self.stock)  # each replay from the same state
             h = [
                 m.forward(rows, ids, verify=verify, run=c)
                 for m, c in zip(models, main, strict=True)
             ]
             check_calls(self.pairs, self.worst)
             assert torch.isfinite(h[1]).all(), i
-            self._worse("hidden", rel(h[1], h[0]))
-            self._worse("logits", rel(main[1].out[1], main[0].out[1]))
+            ok = agreeing_logs(main[0].log, main[1].log, requests).cuda()
+            self.rows, self.compared = self.rows + requests, self.compared + int(ok.sum())
+            if ok.any():
+                self._worse("hidden", rel(h[1][ok], h[0][ok]))
+                logits = [c.out[1].view(requests, q, -1)[ok] for c in main]
+                self._worse("logits", rel(logits[1], logits[0]))
+                self.check_caches(main[0].step, ok.nonzero()[:, 0].tolist())
             # The draft on the stock side's hidden states (the same input on both sides):
             # a draft prefill at the step's positions, then a draft decode one past them.
             hidden, positions = h[0], start[:, None] + torch.arange(q, device="cuda")
@@ -204,7 +238,9 @@ class Sides:
                 ]
                 ref = out[0][:, -1:] if t > 1 else out[0]
                 assert out[1].shape == ref.shape
-                self._worse("draft", rel(out[1], ref))
+                ok = agreeing_logs(graphs[0].log, graphs[1].log, requests).cuda()
+                if ok.any():
+                    self._worse("draft", rel(out[1][ok], ref[ok]))
                 hidden = ref
             if drafts:
                 check_calls(self.draft_pairs, self.worst)
@@ -213,17 +249,21 @@ class Sides:
                 for m in models:
                     for r in rows:
                         m.accept(r, n)
-        self.check_caches()
         for m in models:
             for r in rows:
                 m.release(r)
 
-    def check_caches(self):
+    def check_caches(self, step, picked):
+        """Every cache slot the `picked` requests (rows of `step`) wrote in the replay."""
         a, b = self.stock.ranks[0].c, self.spec.ranks[0].c
         for kind in ("recurrent", "latent", "tail"):
+            rows = torch.cat([written(step, kind, r) for r in picked])
             for layer, cache in getattr(a, kind).items():
                 other = getattr(b, kind)[layer]
-                self._worse(kind, 0.0 if torch.equal(other, cache) else rel(other, cache))
+                if kind == "latent":
+                    other, cache = other.flatten(0, 1), cache.flatten(0, 1)
+                err = rel_rows(other[rows], cache[rows], SLOT_DIMS[kind]).max().item()
+                self._worse(kind, err)
 
 
 @pytest.mark.parametrize("q", range(1, 9))
@@ -235,7 +275,9 @@ def test_every_capture_size_with_draft_equals_stock(q):
         # This size's graphs are gone: drop the stage outputs they recorded.
         sides.pairs.clear()
         sides.draft_pairs.clear()
-    print(f"q={q}: worst relative errors {sides.worst}")
+    print(f"q={q}: worst relative errors {sides.worst}, requests compared {sides.compared} "
+          f"of {sides.rows}")  # fmt: skip
+    assert sides.compared >= sides.rows / 8, (sides.compared, sides.rows)  # test_decode's
 
 
 @pytest.mark.parametrize("q, tokens", [(1, 1), (1, 64), (4, 4), (4, 64)])
@@ -243,4 +285,8 @@ def test_full_depth_equals_stock(q, tokens):
     sides = Sides(_geometry(full_depth=True), q, [tokens], tokens // q, with_draft=False,
                   steps=DEPTH_STEPS)  # fmt: skip
     sides.run(tokens // q)
-    print(f"45 layers, q={q} tokens={tokens}: worst relative errors {sides.worst}")
+    print(f"45 layers, q={q} tokens={tokens}: worst relative errors {sides.worst}, requests "
+          f"compared {sides.compared} of {sides.rows}")  # fmt: skip
+    # Through 42 MoE layers a request rarely keeps every choice of stock's: the per-call
+    # checks (every op, every replay) are what this depth must pass; the hidden states are
+    # compared where a request did.
