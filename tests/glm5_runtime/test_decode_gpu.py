@@ -223,7 +223,7 @@ class Sides:
             self.rows, self.compared = self.rows + requests, self.compared + int(ok.sum())
             if ok.any():
                 self._worse("hidden", rel(h[1][ok], h[0][ok]))
-                logits = [c.out[1].view(requests, q, -1)[ok] for c in main]
+                logits = [c.out[1].reshape(requests, q, -1)[ok] for c in main]
                 self._worse("logits", rel(logits[1], logits[0]))
                 self.check_caches(main[0].step, ok.nonzero()[:, 0].tolist())
             # The draft on the stock side's hidden states (the same input on both sides):
