@@ -1,8 +1,10 @@
 """specialized_decode_config / unsupported on real VllmConfig objects: one reason per
 unsupported setting, all of them at once, our additional_config keys only (a policy the
 stock decode ignores and a misspelling of our keys warn once; a policy nested past the
-recursion limit is one error); every spelling of the sparse-MLA FP8 cache. The configs come
-from the same builders on CPUs with and without AMX."""
+recursion limit is one error); every spelling of the sparse-MLA FP8 cache; and the hardening
+cases, each one error: an int-keyed policy (vLLM's hash would crash), another model with
+"mhc": true, additional_config text, Unicode digits, a repeated key, the graphs mode named.
+The configs come from the same builders on CPUs with and without AMX."""
 
 import sys
 
