@@ -16,7 +16,10 @@ nox.options.reuse_existing_virtualenvs = True
 PACKAGES = ["glm5-policy", "glm5-kernels", "glm5-comm", "glm5-runtime"]
 CPU_TORCH = "torch==2.13.0"
 CPU_PINS = ["-c", "constraints/tests.txt"]  # what torch, transformers and the runners leave open
-TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "transformers==5.17.0", "triton==3.9.0"]
+# The CuTe DSL compiles its kernels for SM90 and SM100 on a CPU (it cannot run them there):
+# the tests compile every CuTe kernel for both.
+TEST_DEPS = ["pytest>=8", "hypothesis>=6.100", "transformers==5.17.0", "triton==3.9.0",
+             "nvidia-cutlass-dsl[cu13]==4.8.1"]  # fmt: skip
 # The GPU host's Triton: the compile check runs under it too (a kernel Triton 3.9 accepted
 # once failed to compile there). Installed beside the venv, put first on the compile child's
 # path only.

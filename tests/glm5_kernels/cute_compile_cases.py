@@ -16,10 +16,11 @@ def mhc_cases() -> int:
     """Every mode at one token a cluster, the post at every tokens-a-cluster the plan uses,
     BF16 mix weights once."""
     f32 = ("float32", "float32", "float32", "bfloat16")
-    cases = [(cute_mhc.GIVEN, False, False, 1, f32), (cute_mhc.EXPAND, False, True, 1, f32),
-             (cute_mhc.POST, True, False, 1, f32),
-             (cute_mhc.POST, False, True, 1, ("bfloat16", "bfloat16", "bfloat16", "float32"))]  # fmt: skip
-    cases += [(cute_mhc.POST, False, True, tb, f32)
+    bf16 = ("bfloat16", "bfloat16", "bfloat16", "float32")
+    given, expand, post = cute_mhc.GIVEN, cute_mhc.EXPAND, cute_mhc.POST
+    cases = [(given, False, False, 1, f32), (expand, False, True, 1, f32),
+             (post, True, False, 1, f32), (post, False, True, 1, bf16)]  # fmt: skip
+    cases += [(post, False, True, tb, f32)
               for tb in sorted({MhcBoundary.cute_tb(m) for m in range(1, 65)})]  # fmt: skip
     for n, (mode, head, store, tb, weights) in enumerate(cases):
         cute_mhc.compile_boundary(cute_mhc.slot_dtypes(weights), mode=mode, head=head,

@@ -149,7 +149,7 @@ class CuteBoundary:
 
     def __init__(self, *, mode: int, head: bool, store: bool, tb: int, hidden: int,
                  rms_eps: float, hc_eps: float, norm_eps: float, post_mult: float,
-                 sinkhorn_iters: int, pdl: bool, ablate: frozenset = frozenset()):  # fmt: skip
+                 sinkhorn_iters: int, pdl: bool):  # fmt: skip
         assert hidden % CLUSTER == 0 and 32 <= hidden // CLUSTER <= 1024
         assert (hidden // CLUSTER) % 32 == 0, "whole warps of columns"
         self.mode, self.head, self.store, self.tb = mode, head, store, tb
@@ -157,7 +157,6 @@ class CuteBoundary:
         self.rms_eps, self.hc_eps, self.norm_eps = rms_eps, hc_eps, norm_eps
         self.post_mult, self.iters, self.pdl = post_mult, sinkhorn_iters, pdl
         self.warps = self.W // 32
-        self.ablate = ablate
 
     @cute.jit
     def __call__(
@@ -221,7 +220,7 @@ class CuteBoundary:
             cute.arch.mbarrier_arrive_and_expect_tx(mbar, CLUSTER * TB * NPART * 4)
         cute.arch.cluster_arrive_relaxed()
         rFn = cute.make_rmem_tensor(cute.make_layout((NMIX, H)), Float32)
-        if const_expr(not self.head and "fn" not in self.ablate):
+        if const_expr(not self.head):
             for j in cutlass.range_constexpr(NMIX):
                 for h in cutlass.range_constexpr(H):
                     rFn[j, h] = mFn[j, h * D + col].to(Float32)
@@ -270,15 +269,9 @@ class CuteBoundary:
             for wi in cutlass.range_constexpr(self.warps):
                 p += sWarp[i, wi, v]
             addr = peer_base + (rank * TB * NPART + k) * 4
-            if const_expr("push" not in self.ablate):
-                for peer in cutlass.range_constexpr(CLUSTER):
-                    _push(p, addr, mbar_addr, Int32(peer))
-        if const_expr("push" not in self.ablate and "spin" not in self.ablate):
-            cute.arch.mbarrier_wait(mbar, 0)
-        if const_expr("spin" in self.ablate):
-            done = cute.arch.mbarrier_test_wait(mbar, 0)
-            while not done:
-                done = cute.arch.mbarrier_test_wait(mbar, 0)
+            for peer in cutlass.range_constexpr(CLUSTER):
+                _push(p, addr, mbar_addr, Int32(peer))
+        cute.arch.mbarrier_wait(mbar, 0)
         for k in cutlass.range(tid, TB * NPART, W):
             i, v = k // NPART, k % NPART
             s = Float32(0.0)
@@ -379,7 +372,7 @@ class CuteBoundary:
             inv = 1.0 / (e[0] + e[1] + e[2] + e[3])
             for b in range(H):
                 rC[a, b] = e[b] * inv + eps
-        _sinkhorn(rC, eps, 1 if "sinkhorn" in self.ablate else self.iters)
+        _sinkhorn(rC, eps, self.iters)
         for a in range(H):
             for b in range(H):
                 mCombOut[t, a * H + b] = rC[a, b]
