@@ -202,3 +202,34 @@ def test_prepare_compiles_the_weight_dtypes_it_was_shown(monkeypatch):
         {(1, False, torch.bfloat16, torch.float32), (2, False, torch.bfloat16, torch.float32),
          (2, True, None, torch.float32)}, key=str)  # fmt: skip
     assert len(seen) == 6  # three boundaries x two token counts
+
+
+def test_cute_tokens_fall_back_to_triton_with_one_warning(caplog):
+    """The CuTe DSL kernel cannot run here (no CUDA device): asked for it, the boundary logs
+    one warning naming why and every token count runs the Triton kernel, equal to the
+    reference."""
+    c = config(64)
+    gen = torch.Generator().manual_seed(11)
+    with caplog.at_level("WARNING", logger="glm5_kernels.mhc.boundary"):
+        op = MhcBoundary(c, max_tokens=4, device="cpu", cute_tokens=range(1, 5))
+    warnings = [r for r in caplog.records if "CuTe DSL" in r.getMessage()]
+    assert len(warnings) == 1 and "CUDA device" in warnings[0].getMessage()
+    assert op.cute_tokens == frozenset()
+    fn, scale, base, norm = site_weights(c, "cpu", gen)
+    x, streams, post, comb = boundary_inputs(c, 3, "cpu", gen)
+    got = op.post_pre(x, streams, post, comb, fn, scale, base, norm, out=poisoned_out(c, 3, "cpu"))
+    eps = {"rms_eps": c.rms_eps, "hc_eps": c.hc_eps, "sinkhorn_iters": c.sinkhorn_iters}
+    want = hc_fused_post_pre_ref(x, streams, post, comb, fn, scale, base, norm, **eps,
+                                 norm_eps=c.norm_eps)  # fmt: skip
+    assert_streams(got[0], want[0])
+    assert_mix(got[1], got[2], want[1], want[2])
+    assert_normed(got[3], want[3])
+
+
+@pytest.mark.parametrize("m", range(1, 65))
+def test_cute_plan_keeps_clusters_within_sixteen(m):
+    """Tokens a cluster: one up to 16 tokens, then the fewest that keep 16 clusters (256
+    CTAs, two an SM), and every token covered."""
+    tb = MhcBoundary.cute_tb(m)
+    assert tb in (1, 2, 4) and -(-m // tb) <= 16
+    assert tb == 1 or -(-m // (tb // 2)) > 16
