@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from glm5_kernels.mhc import cute_mhc
-from glm5_kernels.mhc.boundary import MhcBoundary
+from glm5_kernels.mhc.boundary import EXPAND, GIVEN, POST, MhcBoundary
 
 CONFIG = dict(hidden=4096, rms_eps=1e-6, hc_eps=1e-6, norm_eps=1e-5, post_mult=2.0,
               sinkhorn_iters=20, pdl=True)  # fmt: skip
@@ -17,7 +17,7 @@ def mhc_cases() -> int:
     BF16 mix weights once."""
     f32 = ("float32", "float32", "float32", "bfloat16")
     bf16 = ("bfloat16", "bfloat16", "bfloat16", "float32")
-    given, expand, post = cute_mhc.GIVEN, cute_mhc.EXPAND, cute_mhc.POST
+    given, expand, post = GIVEN, EXPAND, POST
     cases = [(given, False, False, 1, f32), (expand, False, True, 1, f32),
              (post, True, False, 1, f32), (post, False, True, 1, bf16)]  # fmt: skip
     cases += [(post, False, True, tb, f32)
