@@ -87,6 +87,7 @@ class Specialized(Stock):
             family=args.family,
         )  # fmt: skip
         self.stock: dict[str, str] = {}  # stage -> why it runs stock
+        self.warned: list[str] = []  # the decode's other warnings
         with _warnings("glm5_runtime") as warned:
             self.decode = SpecializedDecode(ReferenceBackbone(model), config)
             self.decode.prepare()  # compiles every stage kernel
@@ -94,6 +95,8 @@ class Specialized(Stock):
             found = re.match(r"Specialized decode: stage (\w+) runs stock \((.*)\)$", message)
             if found:
                 self.stock[found[1]] = found[2]
+            else:
+                self.warned.append(message)
         self.built = sorted({self.decode.stage_of[id(op)] for op, _ in self.decode.ops})
 
     def run(self, tokens, step):
@@ -335,6 +338,8 @@ def show(args) -> None:
         )
         for stage, why in sorted(spec.stock.items()):
             print(f"  {stage} runs stock: {why[:96] + ('...' if len(why) > 96 else '')}")
+        for message in spec.warned:
+            print(f"  warning: {message}")
         paths.append(spec)
     runs = []
     for path in paths:
