@@ -225,11 +225,16 @@ assert not heavy, heavy
 
 
 def test_ctrl_c_stops_the_demo_with_one_line_and_status_130():
+    # SIGINT's handler set as an interactive shell leaves it: a child of a background job
+    # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt for it.
+    script = (
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "from glm5_runtime.cli import main; "
+        "main(['demo', '--steps', '200', '--prompt-len', '4', '--max-context', '1024'])"
+    )
     demo = subprocess.Popen(
-        [sys.executable, "-m", "glm5_runtime.cli", "demo", "--steps", "200", "--prompt-len", "4",
-         "--max-context", "1024"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         for line in demo.stdout:  # interrupted while serving, not while starting
             if line.startswith("  step 1/200"):
