@@ -88,8 +88,9 @@ def gpu_tests(session: nox.Session) -> None:
 @nox.session(python="3.11")
 def demo(session: nox.Session) -> None:
     """The main job: the reference backbone serving prompts with MTP drafting (CPU, tiny);
-    pass options after --, e.g. `nox -s demo -- --device cuda --geometry flash-tp4-rank`."""
-    session.install(*CPU_PINS, CPU_TORCH)
+    pass options after --, e.g. `nox -s demo -- --device cuda --geometry flash-tp4-rank`
+    (`-- --compare`: the specialized decode beside it, its Triton kernels interpreted)."""
+    session.install(*CPU_PINS, CPU_TORCH, "triton==3.9.0")
     _install(session, *PACKAGES)
     session.run("glm5-decode", "demo", *session.posargs)
 
