@@ -289,9 +289,9 @@ class MhcBoundary:
         from glm5_kernels.mhc import cute_mhc
 
         c, tb = self.config, self.cute_tb(m)
-        names = tuple(str(t.dtype).removeprefix("torch.") if t is not None else None
-                      for t in tensors[4:8])  # fmt: skip
-        weights = tuple(n or "float32" for n in names)
+        # fn, scale, base, norm: the site's dtypes (HEAD has no mix weights: FP32 slots)
+        weights = tuple(str(t.dtype).removeprefix("torch.") if t is not None else "float32"
+                        for t in tensors[4:8])  # fmt: skip
         key = (mode, head, store, tb, weights)
         if key not in self._cute:
             if _capturing():
