@@ -150,18 +150,15 @@ class MhcBoundary:
 
     def _cute_unavailable(self) -> str | None:
         """Why the CuTe DSL kernel cannot run here, or None."""
-        d = self.config.hidden
         if self._interp or self._device.type != "cuda":
             return "runs on a CUDA device only"
         if torch.cuda.get_device_capability(self._device)[0] < 9:
             return "needs thread-block clusters (SM90 or newer)"
-        if d % 16 or not (32 <= d // 16 <= 1024 and (d // 16) % 32 == 0):
-            return f"needs hidden / 16 a multiple of 32 up to 1024 (hidden {d})"
         try:
-            import glm5_kernels.mhc.cute_mhc  # noqa: F401
+            from glm5_kernels.mhc import cute_mhc
         except ImportError as e:
             return f"needs nvidia-cutlass-dsl (glm5-kernels[cute]): {e}"
-        return None
+        return cute_mhc.unfit(self.config.hidden)
 
     @staticmethod
     def cute_tb(m: int) -> int:

@@ -147,6 +147,15 @@ def _sinkhorn(rC: cute.Tensor, eps: Float32, iters: cutlass.Constexpr[int]):
         _normalize(rC, eps, False)
 
 
+def unfit(hidden: int) -> str | None:
+    """Why `hidden` does not tile over a cluster (one column a thread, whole warps of
+    columns, at most 1024 threads a CTA), or None."""
+    w = hidden // CLUSTER
+    if hidden % CLUSTER or not 32 <= w <= 1024 or w % 32:
+        return f"needs hidden / {CLUSTER} a multiple of 32 up to 1024 (hidden {hidden})"
+    return None
+
+
 class CuteBoundary:
     """The kernel for one static configuration: `mode` (GIVEN / EXPAND / POST), `head`,
     `store` (the new streams are an output), `tb` tokens a cluster, hidden `D`, the model's
@@ -155,8 +164,7 @@ class CuteBoundary:
     def __init__(self, *, mode: int, head: bool, store: bool, tb: int, hidden: int,
                  rms_eps: float, hc_eps: float, norm_eps: float, post_mult: float,
                  sinkhorn_iters: int, pdl: bool):  # fmt: skip
-        assert hidden % CLUSTER == 0 and 32 <= hidden // CLUSTER <= 1024
-        assert (hidden // CLUSTER) % 32 == 0, "whole warps of columns"
+        assert unfit(hidden) is None, unfit(hidden)
         self.mode, self.head, self.store, self.tb = mode, head, store, tb
         self.D, self.W = hidden, hidden // CLUSTER
         self.rms_eps, self.hc_eps, self.norm_eps = rms_eps, hc_eps, norm_eps
