@@ -68,7 +68,7 @@ def _small(**changes):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("q", [2, 5])
+@pytest.mark.parametrize("q", [2, 3])
 def test_planned_steps_equal_stock(q):
     """q requests: their decode steps (q tokens) and verify steps (q x q) are both planned.
 
@@ -108,7 +108,7 @@ def test_planned_steps_equal_stock(q):
         m.forward(requests, prompt)  # prefill: stock on every side
     calls, yardstick = {}, Yardstick(stock, spec, fp32, [decode])
     # A decode (q requests x 1 token) then a verify (q x q), twice. The verifies keep 1 token,
-    # then 2 (all of q = 2's, part of q = 5's): KDA resumes from its first, last or a middle
+    # then 2 (all of q = 2's, part of q = 3's): KDA resumes from its first, last or a middle
     # state slot.
     for i in range(4):
         verify = i % 2 == 1

@@ -7,18 +7,22 @@ Two stocks: `reference`, the reference backbone's plain torch ops (the equivalen
 and `library`, the same step with its linears, experts and KDA recurrence on the best library
 kernels of this machine (`glm5_runtime.library`), the path a user without this project runs.
 
-    glm5-decode bench --geometry flash-tp4-rank --tokens 1,8,64 --out bench.json
+`--kernels` adds each step's kernel table (`glm5_runtime.kernel_table`): every kernel by
+the stage that launched it, its launches and own time, each stage's bytes and floor ratio.
+
+    glm5-decode bench --geometry flash-tp4-rank --tokens 1,8,64 --kernels --out bench.json
     glm5-decode plot bench.json --out bench.png
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
 import time
 from collections import Counter
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from datetime import date
 
 import torch
@@ -27,6 +31,7 @@ from glm5_kernels.timing import hbm_bandwidth, replay_times, warm_up
 from glm5_policy import DecodeConfig
 
 from .decode import SpecializedDecode
+from .kernel_table import kernel_table, owner_bytes
 from .library import LibraryStock
 from .reference import ReferenceModel, geometry
 from .reference.backbone import ReferenceBackbone
@@ -34,6 +39,22 @@ from .reference.stages import FUSED_PARTS, _pages
 from .results import BETWEEN, STAGES, plot, table
 
 __all__ = ["StageMarks", "call_launches", "floor_bytes", "graph_nodes", "plot", "run", "table"]
+
+
+@contextmanager
+def _environment(**values: str):
+    """The process environment with `values` set, restored after (the stages read GLM5_PDL
+    when they are built)."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _progress(done: int, total: int, what: str) -> None:
@@ -186,11 +207,8 @@ def _step(model: ReferenceModel, tokens: int, q: int, context: int):
     return requests, model.step(requests, q, verify=q > 1)
 
 
-def _measure(model, decode, side: str, ids, step, iters: int) -> dict:
-    """One side's step: its graph's median replay ms and nodes, and the per-stage split of a
-    second capture with `StageMarks` (its median per stage over the replays). Replays repeat
-    the step on caches it updated in place, so outputs are not compared here: equivalence is
-    tests/glm5_runtime/test_decode*.py's job."""
+def _forward(model, decode, side: str, ids, step):
+    """One side's step, eager or captured: the stock backbone's, or the planned one."""
 
     def forward():
         if side != "specialized":
@@ -200,13 +218,29 @@ def _measure(model, decode, side: str, ids, step, iters: int) -> dict:
             raise RuntimeError(f"{step.positions.numel()} tokens not planned: {decision.reason}")
         return decode.compute_logits(decode.run(decision.step, ids, step))
 
+    return forward
+
+
+def _captured(forward) -> torch.cuda.CUDAGraph:
+    forward()  # warm-up outside the capture: compiles, first allocations
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph):
+        forward()
+    graph.instantiate()
+    return graph
+
+
+def _measure(model, decode, side: str, ids, step, iters: int, unlaunched=None) -> dict:
+    """One side's step: its graph's median replay ms and nodes, and the per-stage split of a
+    second capture with `StageMarks` (its median per stage over the replays); with
+    `unlaunched` (the decode built with PDL off, or True for a stock side), its kernel table.
+    Replays repeat the step on caches it updated in place, so outputs are not compared here:
+    equivalence is tests/glm5_runtime/test_decode*.py's job."""
+    forward = _forward(model, decode, side, ids, step)
     library = LibraryStock(model) if side == "library" else nullcontext()
+    kernels = None
     with torch.no_grad(), library:
-        forward()  # warm-up outside the capture: compiles, first allocations
-        graph = torch.cuda.CUDAGraph(keep_graph=True)
-        with torch.cuda.graph(graph):
-            forward()
-        graph.instantiate()
+        graph = _captured(forward)
         nodes = graph_nodes(graph)
         warm_up(graph)
         ms = statistics.median(replay_times(graph, iters))
@@ -224,6 +258,13 @@ def _measure(model, decode, side: str, ids, step, iters: int) -> dict:
             torch.cuda.synchronize()
             splits.append(marks.split())
         del graph
+        if unlaunched is not None:
+            plain = unlaunched if side == "specialized" else None
+            forward = _forward(model, plain, side, ids, step)
+            graph = _captured(forward)
+            warm_up(graph)
+            kernels = kernel_table(model, forward, graph, iters, plain)
+            del graph
     stages = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
     marked = statistics.median(sum(s.values()) for s in splits)
     return {
@@ -231,8 +272,26 @@ def _measure(model, decode, side: str, ids, step, iters: int) -> dict:
         "nodes": nodes,
         "stages_ms": stages,
         "marked_ms": marked,
+        "kernel_table": kernels,
         "kernels": getattr(library, "kernels", None),
     }
+
+
+def _owners(table: list[dict], bytes_: dict[str, float], bandwidth: float) -> list[dict]:
+    """Each owner of a step's kernels (and of bytes): launches, own µs, bytes, floor µs and
+    the ratio, most time first."""
+    launches, us = Counter(), Counter()
+    for k in table:
+        launches[k["owner"]] += k["launches"]
+        us[k["owner"]] += k["us"]
+    rows = []
+    for owner in sorted(set(us) | set(bytes_), key=lambda o: -us[o]):
+        b = bytes_.get(owner, 0.0)
+        floor = b / bandwidth * 1e6
+        ratio = us[owner] / floor if floor else None
+        rows.append({"owner": owner, "launches": launches[owner], "us": us[owner], "bytes": b,
+                     "floor_us": floor, "to_floor": ratio})  # fmt: skip
+    return rows
 
 
 def _kernels(row: dict, side: str) -> str:
@@ -262,6 +321,11 @@ def run(args) -> dict:
     build_s = time.perf_counter() - start
     bandwidth = hbm_bandwidth()
     sides = [*stocks, "specialized"]
+    unlaunched = None
+    if args.kernels:  # the kernel tables' own times: the same stages with PDL off
+        with _environment(GLM5_PDL="0"):
+            unlaunched = SpecializedDecode(ReferenceBackbone(model), config)
+            unlaunched.prepare()
     rows, total = [], len(sides) * len(tokens)
     kernels = None
     for i, b in enumerate(tokens):
@@ -270,7 +334,8 @@ def run(args) -> dict:
         results = {}
         for j, side in enumerate(sides):
             _progress(len(sides) * i + j, total, f"{b} tokens: {side}")
-            results[side] = _measure(model, decode, side, ids, step, args.iters)
+            plain = unlaunched if side == "specialized" else args.kernels or None
+            results[side] = _measure(model, decode, side, ids, step, args.iters, plain)
             kernels = results[side].pop("kernels") or kernels
         floor_ms = floor_bytes(model, b, args.context) / bandwidth["floor"] * 1e3
         spec = results["specialized"]["ms"]
@@ -282,6 +347,17 @@ def run(args) -> dict:
                 row[f"speedup_vs_{side}"] = results[side]["ms"] / spec
         for key in ("nodes", "stages_ms", "marked_ms"):
             row[key] = {side: results[side][key] for side in sides}
+        if args.kernels:
+            row["kernel_tables"] = {}
+            for side in sides:
+                table_ = results[side]["kernel_table"]
+                held = owner_bytes(
+                    model, b, args.context, decode if side == "specialized" else None
+                )
+                row["kernel_tables"][side] = {
+                    "owners": _owners(table_, held, bandwidth["floor"]),
+                    "kernels": table_,
+                }
         rows.append(row)
         _progress(len(sides) * (i + 1), total, f"{b} tokens done")
         print(
@@ -307,6 +383,13 @@ def run(args) -> dict:
         "library_kernels": kernels,
         "build_seconds": build_s,
         "bandwidth_tbps": {k: v / 1e12 for k, v in bandwidth.items()},
+        "kernel_tables": "per side, each kernel of the step by its owner (the policy stage "
+        "whose op launched it, else `stock <reference method>`) with launches and own µs "
+        "(torch profiler over replays of the step captured with PDL off, median per kernel); "
+        "per owner the bytes it must move (weights of its ops, routed experts by expected "
+        "hits, its caches; the owners' bytes sum to floor_ms's) and the floor ratio"
+        if args.kernels
+        else None,
         "split": "CUDA event record nodes captured at each stage's start and end in a second "
         "graph of the same step; median ms per stage over its replays (marked_ms: their sum)",
         "rows": rows,

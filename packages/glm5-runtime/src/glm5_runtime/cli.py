@@ -315,6 +315,11 @@ def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         "--policy", type=_policy, default=None, help="policy table JSON over the family default"
     )
     b.add_argument("--family", default="sm90", choices=FAMILIES, help="GPU family's defaults")
+    b.add_argument(
+        "--kernels", action="store_true",
+        help="also each step's kernel table: every kernel by the stage that launched it, its "
+        "launches and own time (profiled with PDL off), each stage's bytes and floor ratio",
+    )  # fmt: skip
     b.add_argument("--out", type=_new_file, help="results JSON")
     b.add_argument("--plot", type=_new_file, help="results PNG (needs --out and matplotlib)")
     b.add_argument("--commit", help="the code's commit, where the tree's git lacks it")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-__all__ = ["BETWEEN", "LINES", "STAGES", "plot", "table"]
+__all__ = ["BETWEEN", "LINES", "STAGES", "kernel_tables", "plot", "table"]
 
 # The stage methods a step's split is timed by (`stage_timer`, `bench.StageMarks`) and what
 # runs between them: hc pre / post, norms, the sums.
@@ -87,4 +87,42 @@ def table(result_paths: list[str]) -> str:
                     f"| {r['geometry']} | {row['tokens']} | {side} | {cells} "
                     f"| {row['marked_ms'][side]:.1f} | {row[f'{side}_ms']:.1f} |"
                 )
-    return "\n".join(out)
+    tables = kernel_tables(results)
+    return "\n".join(out) + ("\n\n" + tables if tables else "")
+
+
+def kernel_tables(results: list[dict], top: int = 25) -> str:
+    """`bench --kernels`' tables: per step and side, the owners of its kernels (launches,
+    own µs, bytes, floor, ratio); for the specialized side its `top` kernels by time."""
+    out = []
+    for r in results:
+        for row in r["rows"]:
+            for side, t in (row.get("kernel_tables") or {}).items():
+                launches = sum(o["launches"] for o in t["owners"])
+                us = sum(o["us"] for o in t["owners"])
+                out += [
+                    f"**{r['geometry']}, {row['tokens']} tokens (q = {row['q']}), {side}**: "
+                    f"{launches} kernels, {us / 1e3:.2f} ms of their own time "
+                    f"(the graph {row[f'{side}_ms']:.2f} ms)",
+                    "",
+                    "| owner | kernels | own µs | MB | floor µs | × floor |",
+                    "| --- | ---: | ---: | ---: | ---: | ---: |",
+                ]
+                for o in t["owners"]:
+                    ratio = "–" if o["to_floor"] is None else f"{o['to_floor']:.1f}"
+                    out.append(
+                        f"| {o['owner']} | {o['launches']} | {o['us']:.1f} "
+                        f"| {o['bytes'] / 1e6:.2f} | {o['floor_us']:.1f} | {ratio} |"
+                    )
+                out.append("")
+                if side != "specialized":
+                    continue
+                out += ["| owner | kernel | launches | own µs | µs each |",
+                        "| --- | --- | ---: | ---: | ---: |"]  # fmt: skip
+                for k in t["kernels"][:top]:
+                    out.append(
+                        f"| {k['owner']} | `{k['kernel']}` | {k['launches']} | {k['us']:.1f} "
+                        f"| {k['us'] / k['launches']:.2f} |"
+                    )
+                out.append("")
+    return "\n".join(out).rstrip()
