@@ -81,7 +81,8 @@ def moe_cases(arch: int) -> int:
     tokens), each distinct configuration once."""
     from types import SimpleNamespace
 
-    from glm5_kernels.moe.experts import GroupedExperts, MegaExperts, _pow2
+    from glm5_kernels.launch import next_pow2
+    from glm5_kernels.moe.experts import GroupedExperts, MegaExperts
     from glm5_kernels.moe.triton_moe import down_kernel, gate_up_kernel, route_kernel
 
     ints = {n: "i32" for n in ("M", "E", "D", "I", "G", "CHUNK", "stride_lm", "stride_xm")}
@@ -106,13 +107,13 @@ def moe_cases(arch: int) -> int:
                 types = ptrs | ints | {"act_ptr": "*bf16", "ws_ptr": "*u8" if e8m0 else "*fp32"}
                 cases = [
                     (route_kernel, {"MAX_CHUNKS": -(-m // p.chunk), "TOP_K": 8, "KP": 8,
-                                    "BR": max(2, _pow2(m * 8)), "BE": 512, "ROUTE": m != 8,
+                                    "BR": max(2, next_pow2(m * 8)), "BE": 512, "ROUTE": m != 8,
                                     "UE8M0": e8m0, "QUANT_GROUPS": 8, "INTERPRETER": False,
                                     "PDL": True, "SHARED": True}, p.warps_route, 1),
                     (gate_up_kernel, {"BM": p.bm, "BN": p.bn_gate_up, "KB": p.blocks, **common},
                      p.warps, p.stages_gate_up),
                     (down_kernel, {"BM": p.bm, "BN": p.bn_down, "NT": p.tiles_down,
-                                   "BT": max(2, _pow2(m)), "TOP_K": 8,
+                                   "BT": max(2, next_pow2(m)), "TOP_K": 8,
                                    "UE8M0": e8m0, "FINALIZE": m != 1, "PREFETCH": 2, "SHARED": True,
                                    **common},
                      p.warps, p.stages_down),

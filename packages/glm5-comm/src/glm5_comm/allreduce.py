@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from glm5_kernels.exchange import SENTINEL, SENTINEL32
-from glm5_kernels.gemm.linear import _capturing, _interpreting, _pdl
+from glm5_kernels.launch import capturing, interpreting, use_pdl
 
 __all__ = [
     "SENTINEL",
@@ -177,7 +177,7 @@ class TiledExchange:
                              f"{self.rows_dtype} rows need {want}")  # fmt: skip
         self.mailbox = mailbox
         self.bm, self.bd = block_rows, min(block_cols, 1 << (mailbox.hidden - 1).bit_length())
-        self._interp, self._pdl = _interpreting(), _pdl(mailbox.peers.device)
+        self._interp, self._pdl = interpreting(), use_pdl(mailbox.peers.device)
         if mailbox.world > 1:
             from glm5_comm import triton_exchange  # Triton: an extra
 
@@ -203,7 +203,7 @@ class TiledExchange:
         mb, m = self.mailbox, x.shape[0]
         bm = self._tile(m)
         if bm not in self._ready:
-            if _capturing():
+            if capturing():
                 raise RuntimeError(f"{type(self).__name__}: {m} rows not prepared before "
                                    "CUDA-graph capture")  # fmt: skip
             self._ready.add(bm)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from glm5_comm.allreduce import Mailbox
-from glm5_kernels.gemm.linear import _capturing, _interpreting, _pdl
+from glm5_kernels.launch import capturing, interpreting, use_pdl
 
 __all__ = ["AllReduceNorm", "EmbedNorm"]
 
@@ -26,7 +26,7 @@ class _RowOp:
 
     def __init__(self, mailbox: Mailbox):
         self.mailbox = mailbox
-        self._interp, self._pdl = _interpreting(), _pdl(mailbox.peers.device)
+        self._interp, self._pdl = interpreting(), use_pdl(mailbox.peers.device)
         from glm5_comm import triton_exchange  # Triton: an extra
 
         self._kernel = getattr(triton_exchange, self.kernel_name)
@@ -49,7 +49,7 @@ class _RowOp:
                             "max_tokens)")  # fmt: skip
         if problems:
             raise ValueError(f"{type(self).__name__}: " + "; ".join(problems))
-        if not self._ready and _capturing():
+        if not self._ready and capturing():
             raise RuntimeError(f"{type(self).__name__}: not prepared before CUDA-graph capture")
         return m
 

@@ -15,7 +15,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from glm5_kernels.exchange import SENTINEL32 as _SENTINEL32
 from glm5_kernels.exchange.triton_exchange import all_reduce_tile, next_step, wait_tile
-from glm5_kernels.gemm.triton_skinny import _narrow
+from glm5_kernels.triton_primitives import narrow
 
 SENTINEL32 = tl.constexpr(_SENTINEL32)  # 0xFFFFFFFF: FP32 rows' (a NaN no arithmetic makes)
 NAN32 = tl.constexpr(0x7FC00000)  # the canonical FP32 quiet NaN
@@ -45,8 +45,8 @@ def _rms_norm_row(x, w, D, eps, INTERPRETER: tl.constexpr):
     """rms_norm_ref of one row held whole (FP32 values of BF16 x, FP32 weight): normalized,
     rounded to BF16, times the weight, rounded."""
     rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / D + eps)
-    normed = _narrow(x * rstd, tl.bfloat16, INTERPRETER).to(tl.float32)
-    return _narrow(w * normed, tl.bfloat16, INTERPRETER)
+    normed = narrow(x * rstd, tl.bfloat16, INTERPRETER).to(tl.float32)
+    return narrow(w * normed, tl.bfloat16, INTERPRETER)
 
 
 @triton.jit
@@ -69,7 +69,7 @@ def all_reduce_norm_kernel(
     y = all_reduce_tile(x, peers_ptr, state_ptr, rank, row * D + cols, mask,
                         slot_elems, WORLD, INTERPRETER)  # fmt: skip
     res = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
-    r = _narrow(y + res, tl.bfloat16, INTERPRETER)
+    r = narrow(y + res, tl.bfloat16, INTERPRETER)
     tl.store(res_out_ptr + row * stride_res_out + cols, r, mask=mask)
     normed = _rms_norm_row(r.to(tl.float32), w, D, eps, INTERPRETER)
     tl.store(normed_ptr + row * stride_normed + cols, normed, mask=mask)

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from glm5_kernels.dsa.checks import index_problems, table_problems
-from glm5_kernels.gemm.linear import _capturing, _interpreting, _pdl
+from glm5_kernels.launch import capturing, interpreting, use_pdl
 
 __all__ = ["SparseMlaDecode"]
 
@@ -48,7 +48,7 @@ class SparseMlaDecode:
         self.w_uv, self.scale, self.max_rows = w_uv, float(scale), max_rows
         self.heads, self.vd, self.lat = w_uv.shape
         dev = w_uv.device
-        self._device, self._pdl, self._interp = dev, _pdl(dev), _interpreting()
+        self._device, self._pdl, self._interp = dev, use_pdl(dev), interpreting()
         self._sms = (
             torch.cuda.get_device_properties(dev).multi_processor_count
             if dev.type == "cuda"
@@ -87,7 +87,7 @@ class SparseMlaDecode:
         need = rows_x_splits * self.heads * self.lat
         if self._part_o.numel() >= need:
             return
-        if _capturing():
+        if capturing():
             raise RuntimeError("SparseMlaDecode: workspace not prepared; call prepare() before "
                                "CUDA-graph capture")  # fmt: skip
         self._part_o = torch.empty(need, device=self._device)
@@ -128,7 +128,7 @@ class SparseMlaDecode:
         return out
 
     def _capturing_unprepared(self) -> bool:
-        return not self._ready and _capturing()
+        return not self._ready and capturing()
 
     def _check(self, q_lat, cache, block_table, request, indices, out) -> None:
         """Every problem with a call's inputs in one error (index ranges: outside capture)."""
@@ -155,7 +155,7 @@ class SparseMlaDecode:
                                 or out.stride(2) != 1):  # fmt: skip
             problems.append(f"out: {tuple(out.shape)} {out.dtype}, expected [{n}, {h}, "
                             f"{self.vd}] bfloat16")  # fmt: skip
-        if not problems and not _capturing():  # host syncs: only outside capture
+        if not problems and not capturing():  # host syncs: only outside capture
             bs, blocks = cache.shape[1], block_table.shape[1]
             if indices.numel() and indices.max() >= blocks * bs:
                 problems.append(f"indices: a position past the block table ({blocks} x {bs})")

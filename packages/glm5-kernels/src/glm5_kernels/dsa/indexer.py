@@ -8,15 +8,11 @@ import torch
 from torch import Tensor
 
 from glm5_kernels.dsa.checks import index_problems, paged, table_problems
-from glm5_kernels.gemm.linear import _capturing, _interpreting, _pdl
+from glm5_kernels.launch import capturing, interpreting, next_pow2, use_pdl
 
 __all__ = ["IndexerTopk"]
 
 BP, BC, WARPS = 64, 64, 4  # pools a scoring step, output pools a store step
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 class IndexerTopk:
@@ -36,9 +32,9 @@ class IndexerTopk:
         self.heads, self.head_dim, self.kpool, self.topk = heads, head_dim, kpool, topk
         self.tail, self.max_rows, self.max_pools = tail, max_rows, max_pools
         self.width = topk + (kpool - 1 if tail and kpool > 1 else 0)
-        self._pmax = _pow2(max_pools)
+        self._pmax = next_pow2(max_pools)
         dev = torch.device(device)
-        self._device, self._pdl, self._interp = dev, _pdl(dev), _interpreting()
+        self._device, self._pdl, self._interp = dev, use_pdl(dev), interpreting()
         self._sms = (
             torch.cuda.get_device_properties(dev).multi_processor_count
             if dev.type == "cuda"
@@ -77,7 +73,7 @@ class IndexerTopk:
         (each row's request), positions [N] -> token positions [N, width] int32 (-1: none),
         `index_topk_ref`'s set in its layout."""
         self._check(q, q_scale, weights, pages, block_table, request, positions, out)
-        if not self._ready and _capturing():
+        if not self._ready and capturing():
             raise RuntimeError("IndexerTopk: not prepared; call prepare() before capture")
         n, s = q.shape[0], pages.shape[1]
         pools = block_table.shape[1] * s
@@ -94,7 +90,7 @@ class IndexerTopk:
             self.width,
             self.head_dim**-0.5 * self.heads**-0.5,
             q.stride(0), q.stride(1), weights.stride(0), block_table.stride(0), out.stride(0),
-            IH=max(16, _pow2(self.heads)), H=self.heads, HD=self.head_dim, KP=self.kpool,
+            IH=max(16, next_pow2(self.heads)), H=self.heads, HD=self.head_dim, KP=self.kpool,
             BP=BP, PMAX=self._pmax, BC=BC, TAIL=self.width > self.topk, PDL=self._pdl,
             num_warps=WARPS, launch_pdl=self._pdl,
         )  # fmt: skip
@@ -134,7 +130,7 @@ class IndexerTopk:
                                 or out.dtype != torch.int32 or out.stride(1) != 1):  # fmt: skip
             problems.append(f"out: {tuple(out.shape)} {out.dtype}, expected [{n}, "
                             f"{self.width}] int32")  # fmt: skip
-        if not problems and not _capturing():  # host syncs: only outside capture
+        if not problems and not capturing():  # host syncs: only outside capture
             problems += table_problems(request, block_table, pages.shape[0])
             if n and positions.min() < 0:
                 problems.append("positions: negative")

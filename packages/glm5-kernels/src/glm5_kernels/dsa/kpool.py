@@ -8,7 +8,7 @@ from torch import Tensor
 
 from glm5_kernels.dsa.checks import INTS, paged
 from glm5_kernels.dsa.reference import _hadamard
-from glm5_kernels.gemm.linear import _interpreting, _pdl
+from glm5_kernels.launch import interpreting, use_pdl
 
 __all__ = ["KpoolWrite"]
 
@@ -35,7 +35,7 @@ class KpoolWrite:
         dev = ape.device
         # The Hadamard matrix as its signs (BF16, exact) and one scale: see triton_kpool.
         self._sign = _hadamard(head_dim, str(dev)).sign().bfloat16().contiguous()
-        self._pdl, self._interp = _pdl(dev), _interpreting()
+        self._pdl, self._interp = use_pdl(dev), interpreting()
         from glm5_kernels.dsa.triton_kpool import kpool_write_kernel
 
         self._kernel = kpool_write_kernel

@@ -20,13 +20,13 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from glm5_kernels.gemm.triton_skinny import _narrow
+from glm5_kernels.triton_primitives import narrow
 
 
 @triton.jit
 def _dot(a, b, INTERPRETER: tl.constexpr):
     """a @ b of BF16 tiles into FP32 (the interpreter's BF16 dot multiplies raw bits: there
-    it runs on the exact FP32 upcasts; see gemm.triton_skinny)."""
+    it runs on the exact FP32 upcasts; see glm5_kernels.triton_primitives)."""
     if INTERPRETER:
         a, b = a.to(tl.float32), b.to(tl.float32)
     return tl.dot(a, b)
@@ -71,7 +71,7 @@ def sparse_mla_split_kernel(
         alpha = tl.exp(m_i - base)
         p = tl.exp(s - base[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(_narrow(p, tl.bfloat16, INTERPRETER), c, INTERPRETER)
+        acc = acc * alpha[:, None] + _dot(narrow(p, tl.bfloat16, INTERPRETER), c, INTERPRETER)
         m_i = m_new
     row = (sp * N + n) * H + heads
     tl.store(part_o_ptr + row[:, None] * L + lat[None, :], acc, mask=hm[:, None])
@@ -107,10 +107,10 @@ def _merge_rows_value_up(part_o_ptr, part_ml_ptr, w, out_ptr, h, v, vm, N, H, sp
             o = o * alpha + tl.sum(f[:, None] * part, axis=0)
             m = m_new
         o = o / tl.where(den > 0.0, den, 1.0)  # no token selected: zero
-        o = _narrow(o, tl.bfloat16, INTERPRETER).to(tl.float32)  # as the MMA path's operand
+        o = narrow(o, tl.bfloat16, INTERPRETER).to(tl.float32)  # as the MMA path's operand
         y = tl.sum(w.to(tl.float32) * o[None, :], axis=1)  # [BV]
         tl.store(out_ptr + n * stride_on + h * stride_oh + v,
-                 _narrow(y, tl.bfloat16, INTERPRETER), mask=vm)  # fmt: skip
+                 narrow(y, tl.bfloat16, INTERPRETER), mask=vm)  # fmt: skip
 
 
 @triton.jit
@@ -160,7 +160,7 @@ def value_up_kernel(
                                    mask=here[:, None], other=0.0)  # fmt: skip
                     o += f[:, None] * part
             o = o / tl.where(den > 0.0, den, 1.0)[:, None]  # no token selected: zero
-            y = _dot(_narrow(o, tl.bfloat16, INTERPRETER), tl.trans(w), INTERPRETER)  # [BN, BV]
+            y = _dot(narrow(o, tl.bfloat16, INTERPRETER), tl.trans(w), INTERPRETER)  # [BN, BV]
             tl.store(out_ptr + rows[:, None] * stride_on + h * stride_oh + v[None, :],
-                     _narrow(y, tl.bfloat16, INTERPRETER),
+                     narrow(y, tl.bfloat16, INTERPRETER),
                      mask=rm[:, None] & vm[None, :])  # fmt: skip

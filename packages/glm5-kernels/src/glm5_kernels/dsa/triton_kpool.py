@@ -17,7 +17,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from glm5_kernels.dsa.triton_attn import _dot
-from glm5_kernels.gemm.triton_skinny import _bf16, _round_nearest
+from glm5_kernels.triton_primitives import round_bf16, round_nearest
 
 FP8_MAX = tl.constexpr(448.0)
 
@@ -31,7 +31,7 @@ def _rotate_quant(x, sign, had_scale, INTERPRETER: tl.constexpr):
     sum them in FP32 and one multiply scales (an FP32 `tl.dot` of the [HD, HD] matrix took
     ~160 µs a call on the H200, 20x this); this differs from the reference's FP32 matmul only
     in FP32 rounding, below the BF16 rounding that follows."""
-    y = _bf16(_dot(x.to(tl.bfloat16), sign, INTERPRETER) * had_scale, INTERPRETER)
+    y = round_bf16(_dot(x.to(tl.bfloat16), sign, INTERPRETER) * had_scale, INTERPRETER)
     amax = tl.maximum(tl.max(tl.abs(y), axis=1), 1e-4)
     if INTERPRETER:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
         v = amax / FP8_MAX
@@ -41,7 +41,7 @@ def _rotate_quant(x, sign, had_scale, INTERPRETER: tl.constexpr):
     scale = ((bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
     xq = tl.minimum(tl.maximum(y / scale[:, None], -FP8_MAX), FP8_MAX)  # a power of two: exact
     if INTERPRETER:
-        xq = _round_nearest(xq, 3, -6)  # e4m3: subnormals below 2^-6
+        xq = round_nearest(xq, 3, -6)  # e4m3: subnormals below 2^-6
     return xq.to(tl.float8e4nv), scale
 
 
@@ -88,7 +88,7 @@ def kpool_write_kernel(
         logits = gg.to(tl.float32) + ape  # softmax over the pool's tokens, channel by channel
         p = tl.exp(logits - tl.max(logits, axis=0)[None, :])
         p = p / tl.sum(p, axis=0)[None, :]
-        pooled = _bf16(tl.sum(p * kk.to(tl.float32), axis=0), INTERPRETER)
+        pooled = round_bf16(tl.sum(p * kk.to(tl.float32), axis=0), INTERPRETER)
         tile = tl.where((tl.arange(0, 16) == 0)[:, None], pooled[None, :], 0.0)  # [16, HD]
         y8, ys = _rotate_quant(tile, sign, had_scale, INTERPRETER)
         first = pos - KP + 1

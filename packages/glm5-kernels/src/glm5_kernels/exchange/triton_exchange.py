@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from glm5_kernels.exchange import SENTINEL as _SENTINEL
-from glm5_kernels.gemm.triton_skinny import _bf16
+from glm5_kernels.triton_primitives import round_bf16
 
 SENTINEL = tl.constexpr(_SENTINEL)
 NAN16 = tl.constexpr(0x7FC0)  # BF16 quiet NaN bits: a value that never arrived
@@ -105,7 +105,7 @@ def all_reduce_tile(x, peers_ptr, state_ptr, rank, offs, mask, slot_elems,
     else:
         step = tl.load(state_ptr)
         y = exchange_sum(x, peers_ptr, state_ptr, rank, step, offs, mask, slot_elems, WORLD)
-        y = _bf16(y, INTERPRETER)
+        y = round_bf16(y, INTERPRETER)
         clear_read(peers_ptr, rank, step % 3, offs, mask, slot_elems, WORLD)
         next_step(state_ptr, step)
     return y

@@ -11,12 +11,13 @@ that was never prepared is an error, never a compile.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from glm5_kernels.launch import first_call, interpreting, sm_count, use_pdl
 
 __all__ = [
     "MAX_TOKENS",
@@ -119,24 +120,6 @@ def plan(
     return Tile(bm, bn, bk, splits, stages=stages, pdl=pdl, prefetch=2 if pdl else 0)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch: SM90 and newer, not under the interpreter, and not
-    with GLM5_PDL=0 in the environment."""
-    if os.environ.get("GLM5_PDL", "1") == "0":
-        return False
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def _sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 16  # the interpreter: few "SMs", so small test shapes still split K
-
-
 def _check_weight(name: str, w: Tensor, dtypes: tuple[torch.dtype, ...], problems: list[str]):
     if w.dim() != 2:
         problems.append(f"{name}: expected 2-D [N, K], got shape {tuple(w.shape)}")
@@ -144,29 +127,13 @@ def _check_weight(name: str, w: Tensor, dtypes: tuple[torch.dtype, ...], problem
         problems.append(f"{name}: dtype {w.dtype}, expected one of {dtypes}")
     if not w.is_contiguous():
         problems.append(f"{name}: must be contiguous (k-major)")
-    if w.device.type != "cuda" and not _interpreting():
+    if w.device.type != "cuda" and not interpreting():
         problems.append(f"{name}: on {w.device}; the Triton kernels need CUDA")
 
 
 def _raise(op: str, problems: list[str]) -> None:
     if problems:
         raise ValueError(f"{op}: " + "; ".join(problems))
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _first_call(op, m: int) -> None:
-    """Record that `op` has run (so compiled) for M tokens; a first call inside CUDA-graph
-    capture is refused, since it would compile there."""
-    if m not in op._ready:
-        if _capturing():
-            raise RuntimeError(
-                f"{type(op).__name__}: M={m} was not prepared; call prepare() before "
-                "CUDA-graph capture (a capture must never compile)"
-            )
-        op._ready.add(m)
 
 
 class _SkinnyGemm:
@@ -183,9 +150,9 @@ class _SkinnyGemm:
             raise ValueError(f"max_tokens={max_tokens}: must be in 1..{MAX_TOKENS}")
         self.n, self.k, self.max_tokens = n, k, max_tokens
         split = range(1, max_tokens + 1) if split_k_tokens is None else set(split_k_tokens)
-        sms = _sms(device)
+        sms = sm_count(device)
         self.tiles = {
-            m: plan(m, n, k, sms=sms, fp8=self.fp8, split_k=m in split, pdl=_pdl(device))
+            m: plan(m, n, k, sms=sms, fp8=self.fp8, split_k=m in split, pdl=use_pdl(device))
             for m in range(1, max_tokens + 1)
         }
         # One counter per column tile at the narrowest BN any plan may use; the kernels reset
@@ -223,7 +190,7 @@ class _SkinnyGemm:
         if not self.supports(m):
             problems.append(f"x: M={m} outside the compiled range 1..{self.max_tokens}")
         _raise(type(self).__name__, problems)
-        _first_call(self, m)
+        first_call(self, m)
         return m
 
     def _output(self, m: int, out: Tensor | None) -> Tensor:
@@ -278,7 +245,7 @@ class Projection(_SkinnyGemm):
             x, self.weight, out, self._scratch(t), self._counts,
             m, self.n, self.k, x.stride(0), out.stride(0), -(-k_tiles // t.split_k),
             BM=t.bm, BN=t.bn, BK=t.bk, SPLIT_K=t.split_k, EVEN_K=self.k % t.bk == 0,
-            INTERPRETER=_interpreting(), PDL=t.pdl, PREFETCH=t.prefetch,
+            INTERPRETER=interpreting(), PDL=t.pdl, PREFETCH=t.prefetch,
             num_warps=t.warps, num_stages=t.stages, launch_pdl=t.pdl,
         )  # fmt: skip
         return out
@@ -380,7 +347,7 @@ class Fp8Linear(_SkinnyGemm):
             groups = _parts_groups(m, k_tiles) if parts else QUANT_GROUPS
             quantize_tokens_kernel[(m, -(-k_tiles // groups))](
                 x, xq, scales, m, self.k, x.stride(-2), limit,
-                GROUPS=groups, UE8M0=self.ue8m0, SWIGLU=swiglu, INTERPRETER=_interpreting(),
+                GROUPS=groups, UE8M0=self.ue8m0, SWIGLU=swiglu, INTERPRETER=interpreting(),
                 PDL=t.pdl, PARTS=parts, num_warps=4, launch_pdl=t.pdl,
             )  # fmt: skip
             x, swiglu = xq, False
@@ -392,7 +359,7 @@ class Fp8Linear(_SkinnyGemm):
             m, self.n, self.k, x.stride(0), out.stride(-2), per_split, limit,
             BM=t.bm, BN=t.bn, SPLIT_K=t.split_k, KB=t.blocks, UE8M0=self.ue8m0,
             SCALE_E8M0=self.scale_e8m0, SWIGLU=swiglu, X_FP8=t.quantize_first or bool(parts),
-            INTERPRETER=_interpreting(), PDL=t.pdl, PREFETCH=t.prefetch, PARTIALS=partials,
+            INTERPRETER=interpreting(), PDL=t.pdl, PREFETCH=t.prefetch, PARTIALS=partials,
             num_warps=t.warps, num_stages=t.stages, launch_pdl=t.pdl,
         )  # fmt: skip
         return out
@@ -449,7 +416,7 @@ class DenseMlp:
         quantization, which sums them in the fixup's order and rounding (so the same values):
         the fixup's release, counter and L2 round trips cost gate_up 1.6-3.3 us on the H200."""
         m = self.gate_up._check_input(x)
-        _first_call(self, m)
+        first_call(self, m)
         out = self.down._output(m, out)
         parts = self.gate_up._split_partials(x, m)
         if parts is None:

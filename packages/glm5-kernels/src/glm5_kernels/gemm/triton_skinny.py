@@ -29,43 +29,15 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-FP8_MAX = tl.constexpr(448.0)
+from glm5_kernels.triton_primitives import (
+    load_weight_scales,
+    narrow,
+    prefetch_l2,
+    quantize_groups,
+)
 
-# INTERPRETER (constexpr, true only under TRITON_INTERPRET=1): the CPU interpreter's tl.dot
-# multiplies BF16 as raw uint16 bits and its FP32 -> BF16 / e4m3 casts truncate (and mis-carry
-# when asked to round), so there the BF16 dot runs on exact FP32 upcasts and every narrowing
-# cast is rounded to nearest-even in FP32 arithmetic first, after which the cast is exact.
-# Same values as the GPU's instructions, different instructions.
-
-
-@triton.jit
-def _round_nearest(q, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
-    """FP32 q -> the nearest value with MANTISSA fraction bits (ties to even), as FP32."""
-    e = tl.maximum(((q.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, MIN_EXP)
-    step = ((e - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)  # the spacing at q
-    return ((q / step + 12582912.0) - 12582912.0) * step  # +-1.5*2^23 rounds to an integer
-
-
-@triton.jit
-def _narrow(x, dtype: tl.constexpr, INTERPRETER: tl.constexpr):
-    """FP32 -> BF16 / FP32 with round-to-nearest-even on every backend."""
-    if INTERPRETER and dtype == tl.bfloat16:
-        x = _round_nearest(x, 7, -119)  # below 2^-119 the spacing floors at 2^-126
-    return x.to(dtype)
-
-
-@triton.jit
-def _bf16(x, INTERPRETER: tl.constexpr):
-    """FP32 -> the nearest BF16 value, kept in FP32 (a model-dtype rounding mid-kernel)."""
-    return _narrow(x, tl.bfloat16, INTERPRETER).to(tl.float32)
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-        is_pure=False, pack=1,
-    )  # fmt: skip
+# INTERPRETER (constexpr): true only under TRITON_INTERPRET=1, where the BF16 dot runs on FP32
+# upcasts and narrowing casts are rounded first (glm5_kernels.triton_primitives says why).
 
 
 @triton.jit
@@ -77,7 +49,7 @@ def _await_inputs(w_rows_ptr, k_lo, K, ELEMENTS_PER_LINE: tl.constexpr,
     if PDL:
         if PREFETCH > 0:
             cols = tl.minimum(k_lo + tl.arange(0, PREFETCH) * ELEMENTS_PER_LINE, K - 1)
-            _prefetch_l2(w_rows_ptr[:, None] + cols[None, :])
+            prefetch_l2(w_rows_ptr[:, None] + cols[None, :])
         gdc_wait()
 
 
@@ -95,7 +67,7 @@ def _finish(acc, out_ptr, part_ptr, count_ptr, M, N, stride_om,
     if PARTIALS:
         tl.store(out_ptrs + tl.program_id(1) * M * stride_om, acc, mask=mask)
     elif SPLIT_K == 1:
-        tl.store(out_ptrs, _narrow(acc, out_ptr.dtype.element_ty, INTERPRETER), mask=mask)
+        tl.store(out_ptrs, narrow(acc, out_ptr.dtype.element_ty, INTERPRETER), mask=mask)
     else:
         tiles = tl.num_programs(0)
         tile = tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :]
@@ -109,7 +81,7 @@ def _finish(acc, out_ptr, part_ptr, count_ptr, M, N, stride_om,
                 # .cg: L1 is not coherent across SMs; the other partials live in L2.
                 p = part_ptr + (s * tiles + pid_n) * BN * BM + tile
                 total += tl.load(p, cache_modifier=".cg")
-            tl.store(out_ptrs, _narrow(total, out_ptr.dtype.element_ty, INTERPRETER), mask=mask)
+            tl.store(out_ptrs, narrow(total, out_ptr.dtype.element_ty, INTERPRETER), mask=mask)
             tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
@@ -163,7 +135,7 @@ def _load_input(ptrs, rows, PARTS: tl.constexpr, split_stride, INTERPRETER: tl.c
     total = tl.load(ptrs, mask=rows, other=0.0)
     for s in tl.static_range(1, PARTS):
         total += tl.load(ptrs + s * split_stride, mask=rows, other=0.0)
-    return _narrow(total, tl.bfloat16, INTERPRETER).to(tl.float32)
+    return narrow(total, tl.bfloat16, INTERPRETER).to(tl.float32)
 
 
 @triton.jit
@@ -176,21 +148,8 @@ def _activation(x_ptrs, rows, K, limit, SWIGLU: tl.constexpr, INTERPRETER: tl.co
         gate = tl.minimum(gate, limit)
         up = _load_input(x_ptrs + K, rows, PARTS, split_stride, INTERPRETER)
         up = tl.minimum(tl.maximum(up, -limit), limit)
-        return _narrow(gate * tl.sigmoid(gate) * up, tl.bfloat16, INTERPRETER).to(tl.float32)
+        return narrow(gate * tl.sigmoid(gate) * up, tl.bfloat16, INTERPRETER).to(tl.float32)
     return _load_input(x_ptrs, rows, PARTS, split_stride, INTERPRETER)
-
-
-@triton.jit
-def _quantize_groups(x, UE8M0: tl.constexpr, INTERPRETER: tl.constexpr):
-    """x [R, 128] FP32 -> (e4m3 codes [R, 128], FP32 scales [R]), vLLM's per-token-group rule."""
-    sx = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / FP8_MAX
-    if UE8M0:  # round up to a power of two: carry any mantissa bit into the exponent
-        bits = sx.to(tl.int32, bitcast=True)
-        sx = ((bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
-    xq = tl.minimum(tl.maximum(x / sx[:, None], -FP8_MAX), FP8_MAX)
-    if INTERPRETER:
-        xq = _round_nearest(xq, 3, -6)  # e4m3: subnormals below 2^-6
-    return xq.to(tl.float8e4nv), sx
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -214,21 +173,12 @@ def quantize_tokens_kernel(
     x = _activation(
         x_ptr + row * stride_xm + cols, True, K, limit, SWIGLU, INTERPRETER, PARTS, M * stride_xm
     )
-    xq, sx = _quantize_groups(x, UE8M0, INTERPRETER)
+    xq, sx = quantize_groups(x, UE8M0, INTERPRETER)
     if PDL:
         gdc_launch_dependents()
     # Groups past the end were clamped onto the last one: they store the same values again.
     tl.store(q_ptr + row * K + cols, xq)
     tl.store(s_ptr + row * (K // 128) + groups, sx)
-
-
-@triton.jit
-def _weight_scales(ptrs, SCALE_E8M0: tl.constexpr):
-    """FP32 weight scales at ptrs: FP32 values, or UE8M0 exponents (2^(e - 127))."""
-    s = tl.load(ptrs)
-    if SCALE_E8M0:
-        s = (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    return s
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -266,7 +216,7 @@ def fp8_gemm_kernel(
     # each step's scales are loaded one step ahead. (The same for the BF16 activations of
     # the in-GEMM quantization was measured no faster: there the quantization math costs.)
     steps = tl.arange(0, KB)
-    sw_next = _weight_scales(ws_row + kt_lo + steps, SCALE_E8M0)
+    sw_next = load_weight_scales(ws_row + kt_lo + steps, SCALE_E8M0)
     if X_FP8:
         sx_next = tl.load(xs_rows + kt_lo + steps[None, :], mask=x_rows[:, None], other=0.0)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
@@ -275,7 +225,7 @@ def fp8_gemm_kernel(
     for kb in range(kt_lo, kt_hi, KB):
         after = tl.minimum(kb + KB, kt_hi - KB)  # the last step reloads its own
         sw_step = sw_next
-        sw_next = _weight_scales(ws_row + after + steps, SCALE_E8M0)
+        sw_next = load_weight_scales(ws_row + after + steps, SCALE_E8M0)
         if X_FP8:
             sx_step = sx_next
             sx_next = tl.load(xs_rows + after + steps[None, :], mask=x_rows[:, None], other=0.0)
@@ -289,7 +239,7 @@ def fp8_gemm_kernel(
             else:
                 x_kt = x_ptrs + kt * BK
                 x = _activation(x_kt, x_rows[:, None], K, limit, SWIGLU, INTERPRETER, 0, 0)
-                xq, sx = _quantize_groups(x, UE8M0, INTERPRETER)
+                xq, sx = quantize_groups(x, UE8M0, INTERPRETER)
             acc += tl.dot(w, tl.trans(xq)) * (sx * sw)[None, :]
     if PDL:
         gdc_launch_dependents()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from glm5_kernels.gemm.linear import _capturing, _interpreting, _pdl
+from glm5_kernels.launch import capturing, interpreting, use_pdl
 
 __all__ = ["KdaDecode"]
 
@@ -55,7 +55,7 @@ class KdaDecode:
         self.heads, self.k, self.v, self.width = h, k, v, conv_weight.shape[1]
         self.lower_bound, self.eps, self.max_tokens = lower_bound, eps, max_tokens
         self._device = conv_weight.device
-        self._pdl, self._interp = _pdl(self._device), _interpreting()
+        self._pdl, self._interp = use_pdl(self._device), interpreting()
         from glm5_kernels.kda.triton_kda import kda_decode_kernel  # Triton: an extra
 
         self._kernel = kda_decode_kernel
@@ -116,7 +116,7 @@ class KdaDecode:
         part, count = rows * self.heads * (self.v // 16), requests * self.heads
         if self._part.numel() >= part and self._count.numel() >= count:
             return
-        if _capturing():
+        if capturing():
             raise RuntimeError(
                 f"KdaDecode: a step of {requests} requests not prepared; call prepare() with "
                 "the step sizes before CUDA-graph capture"
@@ -151,7 +151,7 @@ class KdaDecode:
         h, k, v = self.heads, self.k, self.v
         bv, warps = self.plan(r, t)
         if (t, keep, bv, warps) not in self._ready:
-            if _capturing():  # a capture must never compile
+            if capturing():  # a capture must never compile
                 raise RuntimeError(
                     f"KdaDecode: {t} tokens per request (keep={keep}, {r} requests) not "
                     "prepared; call prepare() before CUDA-graph capture"
@@ -215,7 +215,7 @@ class KdaDecode:
         for name, x, shape in places:
             if tuple(x.shape) != shape or x.dtype not in (torch.int32, torch.int64):
                 problems.append(f"{name}: {tuple(x.shape)} {x.dtype}, expected {list(shape)} int")
-        if not problems and not _capturing():  # a host sync: only outside capture
+        if not problems and not capturing():  # a host sync: only outside capture
             slots = conv.shape[0]
             for name, x, low in (("conv_slots", conv_slots, 0), ("read_slots", read_slots, 0),
                                  ("write_slots", write_slots, -1)):  # fmt: skip

@@ -29,8 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from glm5_kernels.gemm.triton_skinny import _bf16, _narrow
-from glm5_kernels.moe.triton_moe import _sigmoid
+from glm5_kernels.triton_primitives import narrow, round_bf16, torch_sigmoid
 
 
 @triton.jit
@@ -53,7 +52,7 @@ def _conv(conv_row_ptr, qkv_ptr, w_ptr, tt, T, c, offset, stride_cc, stride_qkv,
     for j in tl.static_range(W):
         x = _window(conv_row_ptr, qkv_ptr, tt, j, T, c, offset, stride_cc, stride_qkv, row0, W)
         acc += tl.load(w_ptr + c * W + j).to(tl.float32)[None, :] * x.to(tl.float32)
-    return _bf16(acc * _sigmoid(acc, INTERPRETER), INTERPRETER)
+    return round_bf16(acc * torch_sigmoid(acc, INTERPRETER), INTERPRETER)
 
 
 @triton.jit
@@ -127,11 +126,11 @@ def kda_decode_kernel(
     f = tl.load(f_ptr + rows[:, None] * stride_f + h * K + kk[None, :], mask=live[:, None],
                 other=0.0).to(tl.float32) + dt[None, :]  # fmt: skip
     if HAS_LB:  # the safe gate: each step decays by at most exp(lower_bound)
-        decay = tl.exp(lower_bound * _sigmoid(a * f, INTERPRETER))
+        decay = tl.exp(lower_bound * torch_sigmoid(a * f, INTERPRETER))
     else:  # -a * softplus(f), linear above 20 as torch's
         decay = tl.exp(-a * tl.where(f > 20.0, f, tl.log(1.0 + tl.exp(tl.minimum(f, 20.0)))))
-    beta = _sigmoid(tl.load(b_ptr + rows * stride_b + h, mask=live, other=0.0).to(tl.float32),
-                    INTERPRETER)  # fmt: skip
+    beta = torch_sigmoid(tl.load(b_ptr + rows * stride_b + h, mask=live, other=0.0).to(tl.float32),
+                         INTERPRETER)  # fmt: skip
 
     o_all = tl.zeros([TP, BV], tl.float32)
     for t in tl.static_range(T):
@@ -140,7 +139,7 @@ def kda_decode_kernel(
         beta_t = tl.sum(tl.where(tt == t, beta, 0.0), axis=0)
         delta = (_row(v, tt, t) - tl.sum(s * k_t[None, :], axis=1)) * beta_t
         s = s + delta[:, None] * k_t[None, :]
-        o = _bf16(tl.sum(s * q_t[None, :], axis=1), INTERPRETER)  # the model dtype
+        o = round_bf16(tl.sum(s * q_t[None, :], axis=1), INTERPRETER)  # the model dtype
         o_all = tl.where(tt[:, None] == t, o[None, :], o_all)
         if KEEP:
             slot = tl.load(write_slot_ptr + r * T + t).to(tl.int64)
@@ -157,8 +156,8 @@ def kda_decode_kernel(
                        mask=live[:, None], other=0.0).to(tl.float32)  # fmt: skip
         norm_w = tl.load(norm_w_ptr + vv).to(tl.float32)
         rms = tl.sqrt_rn(tl.sum(o_all * o_all, axis=1) / V + eps)
-        y = norm_w[None, :] * (o_all / rms[:, None]) * _sigmoid(gate, INTERPRETER)
-        tl.store(out_at + vv[None, :], _narrow(y, tl.bfloat16, INTERPRETER), mask=live[:, None])
+        y = norm_w[None, :] * (o_all / rms[:, None]) * torch_sigmoid(gate, INTERPRETER)
+        tl.store(out_at + vv[None, :], narrow(y, tl.bfloat16, INTERPRETER), mask=live[:, None])
         tl.debug_barrier()  # a column written may be one another thread reads
         tl.store(at + cq[None, :], new_q, mask=keep_cols & (cq[None, :] >= 0))
         tl.store(at + ck[None, :], new_k, mask=keep_cols & (ck[None, :] >= 0))
@@ -177,7 +176,7 @@ def _hand_off(o_all, out_at, vv, live, rows, h, jv, r, at, keep_cols, cq, ck, cv
     """A head split over NV CTAs: o (BF16) and the slice's sum of squares out, this CTA's v
     conv channels (only it reads them); the head's last CTA to arrive applies the gated
     RMSNorm over all V and stores the q / k conv channels every slice has read by then."""
-    tl.store(out_at + vv[None, :], _narrow(o_all, tl.bfloat16, INTERPRETER), mask=live[:, None])
+    tl.store(out_at + vv[None, :], narrow(o_all, tl.bfloat16, INTERPRETER), mask=live[:, None])
     part_at = part_ptr + (rows * H + h) * NV
     tl.store(part_at + jv, tl.sum(o_all * o_all, axis=1), mask=live)
     tl.debug_barrier()  # a column written may be one another thread reads
@@ -199,5 +198,5 @@ def _hand_off(o_all, out_at, vv, live, rows, h, jv, r, at, keep_cols, cq, ck, cv
                        mask=live[:, None], other=0.0).to(tl.float32)  # fmt: skip
         norm_w = tl.load(norm_w_ptr + va).to(tl.float32)
         y = norm_w[None, :] * (o_full / tl.sqrt_rn(ss / V + eps)[:, None])
-        y = y * _sigmoid(gate, INTERPRETER)
-        tl.store(out_at + va[None, :], _narrow(y, tl.bfloat16, INTERPRETER), mask=live[:, None])
+        y = y * torch_sigmoid(gate, INTERPRETER)
+        tl.store(out_at + va[None, :], narrow(y, tl.bfloat16, INTERPRETER), mask=live[:, None])

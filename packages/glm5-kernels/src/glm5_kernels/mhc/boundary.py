@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from glm5_kernels.gemm.linear import _capturing, _interpreting, _pdl, _sms
+from glm5_kernels.launch import capturing, interpreting, next_pow2, sm_count, use_pdl
 
 __all__ = ["MhcBoundary", "MhcConfig"]
 
@@ -83,10 +83,6 @@ class _Plan:
     bt: int = 16  # tokens per CTA (the mix dot's M)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 class MhcBoundary:
     """mHC boundaries of `config`'s shape for 1..`max_tokens` tokens on `device`; the token
     counts in `cute_tokens` run the CuTe DSL kernel where it can (world size 1)."""
@@ -101,8 +97,8 @@ class MhcBoundary:
         self._device = torch.device(device)
         if self._device.type == "cuda" and self._device.index is None:
             self._device = torch.device("cuda", torch.cuda.current_device())
-        self._pdl, self._interp = _pdl(self._device), _interpreting()
-        self._sms = _sms(self._device)
+        self._pdl, self._interp = use_pdl(self._device), interpreting()
+        self._sms = sm_count(self._device)
         from glm5_kernels.mhc.triton_mhc import hc_boundary_kernel  # Triton: an extra
 
         self._kernel = hc_boundary_kernel
@@ -143,8 +139,8 @@ class MhcBoundary:
         blocks = -(-m // 16)
         # The last CTA's sum: rows of the block's tokens, as many splits a load as fit
         # ~64 registers a thread.
-        rows = min(16, _pow2(m))
-        sr = max(1, min(_pow2(splits), 64 * 32 * warps // (rows * 64)))
+        rows = min(16, next_pow2(m))
+        sr = max(1, min(next_pow2(splits), 64 * 32 * warps // (rows * 64)))
         fused = not self._interp and blocks * splits <= self._sms
         return _Plan(bd, splits, sr, fused, warps)
 
@@ -267,7 +263,7 @@ class MhcBoundary:
             exchange.max_tokens * d if world > 1 else 0,
         ]  # fmt: skip
         meta = dict(
-            H=h, BT=p.bt, BD=p.bd, BTR=min(p.bt, _pow2(m)), SR=p.sr, NMIX_P=_pow2(c.mix),
+            H=h, BT=p.bt, BD=p.bd, BTR=min(p.bt, next_pow2(m)), SR=p.sr, NMIX_P=next_pow2(c.mix),
             MODE=mode, STORE=store, HEAD=head, SINKHORN=c.sinkhorn_iters, WORLD=world,
             INTERPRETER=self._interp, PDL=self._pdl, num_warps=p.warps, launch_pdl=self._pdl,
             # No contraction: a BF16 multiply and the add after it are two roundings in the
@@ -291,7 +287,7 @@ class MhcBoundary:
                         for t in tensors[4:8])  # fmt: skip
         key = (mode, head, store, tb, weights)
         if key not in self._cute:
-            if _capturing():
+            if capturing():
                 raise RuntimeError(f"MhcBoundary: {m} tokens were not prepared; call "
                                    "prepare() before CUDA-graph capture (a capture must never "
                                    "compile)")  # fmt: skip
@@ -319,7 +315,7 @@ class MhcBoundary:
         launch leaves it unused, but every call passes the same buffer: one specialization
         of the kernel, compiled by `prepare`)."""
         if self._xr is None:
-            if _capturing():
+            if capturing():
                 raise RuntimeError("MhcBoundary: the exchange's row buffer is allocated by a "
                                    "call before CUDA-graph capture (prepare)")  # fmt: skip
             self._xr = torch.empty(self.max_tokens, self.config.hidden, dtype=torch.bfloat16,

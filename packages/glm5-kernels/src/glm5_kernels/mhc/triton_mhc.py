@@ -29,8 +29,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from glm5_kernels.exchange.triton_exchange import all_reduce_tile
-from glm5_kernels.gemm.triton_skinny import _bf16, _narrow
-from glm5_kernels.moe.triton_moe import _sigmoid
+from glm5_kernels.triton_primitives import narrow, round_bf16, torch_sigmoid
 
 
 @triton.jit
@@ -74,13 +73,13 @@ def _streams(x_ptr, res_ptr, post_ptr, comb_ptr, t, d, tm, dm, D, xr_ptr, peers_
                slot_elems, WORLD, PHASE, INTERPRETER)  # fmt: skip
         tm3 = tm[:, None, None]
         p = tl.load(post_ptr + t3 * 4 + h3, mask=tm3, other=0.0)
-        placed = _bf16(_bf16(p, INTERPRETER) * x, INTERPRETER)
+        placed = round_bf16(round_bf16(p, INTERPRETER) * x, INTERPRETER)
         mixed = tl.zeros_like(placed)
         for j in tl.static_range(4):  # source stream j into every stream h: comb[j, h]
             c = tl.load(comb_ptr + t3 * 16 + j * 4 + h3, mask=tm3, other=0.0)  # [BT, 4, 1]
             r = tl.load(res_ptr + t3 * (4 * D) + j * D + d3, mask=m3, other=0.0)  # [BT, 1, BD]
-            mixed += _bf16(c, INTERPRETER) * r.to(tl.float32)
-        s = _bf16(placed + _bf16(mixed, INTERPRETER), INTERPRETER)
+            mixed += round_bf16(c, INTERPRETER) * r.to(tl.float32)
+        s = round_bf16(placed + round_bf16(mixed, INTERPRETER), INTERPRETER)
     return s
 
 
@@ -127,7 +126,7 @@ def hc_boundary_kernel(
     if PHASE != 2:
         if STORE:
             sp = streams_ptr + t[:, None, None] * HD + h[None, :, None] * D + d[None, None, :]
-            tl.store(sp, _narrow(s, tl.bfloat16, INTERPRETER),
+            tl.store(sp, narrow(s, tl.bfloat16, INTERPRETER),
                      mask=tm[:, None, None] & dm[None, None, :])  # fmt: skip
         row = part_ptr + (pid_s * max_tokens + t) * PW  # [BT]
         if not HEAD:
@@ -173,16 +172,16 @@ def hc_boundary_kernel(
             s1 = _f32(scale_ptr + 1)
             s2 = _f32(scale_ptr + 2)
             p0, p1, p2, p3 = _row4(r_row, tm)
-            p0 = _sigmoid(p0 * r * s0 + _f32(base_ptr), INTERPRETER) + hc_eps
-            p1 = _sigmoid(p1 * r * s0 + _f32(base_ptr + 1), INTERPRETER) + hc_eps
-            p2 = _sigmoid(p2 * r * s0 + _f32(base_ptr + 2), INTERPRETER) + hc_eps
-            p3 = _sigmoid(p3 * r * s0 + _f32(base_ptr + 3), INTERPRETER) + hc_eps
+            p0 = torch_sigmoid(p0 * r * s0 + _f32(base_ptr), INTERPRETER) + hc_eps
+            p1 = torch_sigmoid(p1 * r * s0 + _f32(base_ptr + 1), INTERPRETER) + hc_eps
+            p2 = torch_sigmoid(p2 * r * s0 + _f32(base_ptr + 2), INTERPRETER) + hc_eps
+            p3 = torch_sigmoid(p3 * r * s0 + _f32(base_ptr + 3), INTERPRETER) + hc_eps
             if pid_s == 0:
                 q0, q1, q2, q3 = _row4(r_row + 4, tm)
-                q0 = post_mult * _sigmoid(q0 * r * s1 + _f32(base_ptr + 4), INTERPRETER)
-                q1 = post_mult * _sigmoid(q1 * r * s1 + _f32(base_ptr + 5), INTERPRETER)
-                q2 = post_mult * _sigmoid(q2 * r * s1 + _f32(base_ptr + 6), INTERPRETER)
-                q3 = post_mult * _sigmoid(q3 * r * s1 + _f32(base_ptr + 7), INTERPRETER)
+                q0 = post_mult * torch_sigmoid(q0 * r * s1 + _f32(base_ptr + 4), INTERPRETER)
+                q1 = post_mult * torch_sigmoid(q1 * r * s1 + _f32(base_ptr + 5), INTERPRETER)
+                q2 = post_mult * torch_sigmoid(q2 * r * s1 + _f32(base_ptr + 6), INTERPRETER)
+                q3 = post_mult * torch_sigmoid(q3 * r * s1 + _f32(base_ptr + 7), INTERPRETER)
                 _store4(post_out_ptr + t * 4, q0, q1, q2, q3, tm)
                 _sinkhorn(r_row + 8, base_ptr + 8, comb_out_ptr + t * 16, r * s2, hc_eps, tm,
                           SINKHORN)  # fmt: skip
@@ -195,9 +194,9 @@ def hc_boundary_kernel(
         hb = h[None, :]
         pre = tl.where(hb == 0, p0[:, None], tl.where(hb == 1, p1[:, None],
                        tl.where(hb == 2, p2[:, None], p3[:, None])))  # fmt: skip
-        collapsed = _bf16(tl.sum(pre[:, :, None] * s, axis=1), INTERPRETER)  # [BT, BD]
-        y = w[None, :] * _bf16(collapsed * rstd[:, None], INTERPRETER)
-        tl.store(normed_ptr + t[:, None] * D + d[None, :], _narrow(y, tl.bfloat16, INTERPRETER),
+        collapsed = round_bf16(tl.sum(pre[:, :, None] * s, axis=1), INTERPRETER)  # [BT, BD]
+        y = w[None, :] * round_bf16(collapsed * rstd[:, None], INTERPRETER)
+        tl.store(normed_ptr + t[:, None] * D + d[None, :], narrow(y, tl.bfloat16, INTERPRETER),
                  mask=tm[:, None] & dm[None, :])  # fmt: skip
 
 

@@ -26,15 +26,8 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from glm5_kernels.gemm.linear import (
-    MAX_TOKENS,
-    Router,
-    _capturing,
-    _first_call,
-    _interpreting,
-    _pdl,
-    _sms,
-)
+from glm5_kernels.gemm import MAX_TOKENS, Router
+from glm5_kernels.launch import capturing, first_call, interpreting, next_pow2, sm_count, use_pdl
 
 __all__ = ["MAX_TOP_K", "GroupedExperts", "MegaExperts", "MoeLayer", "MoeRows"]
 
@@ -85,10 +78,6 @@ class _Plan:
     stages_down: int = 3
     warps: int = 4
     warps_route: int = 4
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 class MegaExperts:
@@ -147,8 +136,8 @@ class MegaExperts:
         self._shared = shared  # kept alive: the kernels read it through the offsets
         self._device = w13.device
         # Launch options fixed per build, not looked up per call.
-        self._pdl, self._interp = _pdl(self._device), _interpreting()
-        sms = _sms(self._device)
+        self._pdl, self._interp = use_pdl(self._device), interpreting()
+        sms = sm_count(self._device)
         self.plans = {m: self._plan(m, sms) for m in range(1, max_tokens + 1)}
         self._counts = torch.zeros(-(-self.hidden // 16), dtype=torch.int32, device=self._device)
         self._arrivals = torch.zeros(1, dtype=torch.int32, device=self._device)
@@ -167,7 +156,7 @@ class MegaExperts:
         # holding more than `chunk` tokens (none when a chunk holds all M).
         shared = -(-m // chunk) if self.shared else 0
         groups = shared + min(e, m * k) + (m * k // chunk if chunk < m else 0)
-        bm = max(16, _pow2(chunk))
+        bm = max(16, next_pow2(chunk))
         bn = next(b for b in (64, 32, 16) if i % b == 0)
         blocks = 2 if (d // GROUP) % 2 == 0 and bm < 64 else 1
         bn_down = next(b for b in (64, 32, 16) if d % b == 0)
@@ -227,7 +216,7 @@ class MegaExperts:
             if ids.shape != (m, k) or ids.dtype != torch.int32 or not ids.is_contiguous():
                 problems.append(f"ids: {tuple(ids.shape)} {ids.dtype}, expected contiguous "
                                 f"[{m}, {k}] int32 (top-k is {k})")  # fmt: skip
-            elif not _capturing() and ids.numel() and not ((ids >= 0) & (ids < e)).all():
+            elif not capturing() and ids.numel() and not ((ids >= 0) & (ids < e)).all():
                 bad = ids[(ids < 0) | (ids >= e)].unique().tolist()
                 problems.append(f"ids: expert ids {bad[:8]} outside [0, {e})")
             if weights is None or weights.shape != (m, k) or weights.dtype != torch.float32 \
@@ -239,7 +228,7 @@ class MegaExperts:
             problems.append(f"out: {tuple(out.shape)} {out.dtype}, expected [{m}, {d}] bfloat16")
         if problems:
             raise ValueError(f"{name}: " + "; ".join(problems))
-        _first_call(self, m)
+        first_call(self, m)
         return m
 
     def _buffers(self, x, m, logits, ids, weights, finalize: bool, out) -> SimpleNamespace:
@@ -281,8 +270,8 @@ class MegaExperts:
             group[1], group[2], b.row_token, b.x, b.xq, b.xs, self._arrivals, m, self.num_experts,
             self.hidden, b.logits.stride(0) if b.route else 0, b.x.stride(0),
             self.routed_scaling, p.groups, p.chunk,
-            MAX_CHUNKS=-(-m // p.chunk), TOP_K=self.top_k, KP=_pow2(self.top_k),
-            BR=max(2, _pow2(m * self.top_k)), BE=_pow2(self.num_experts + 1), ROUTE=b.route,
+            MAX_CHUNKS=-(-m // p.chunk), TOP_K=self.top_k, KP=next_pow2(self.top_k),
+            BR=max(2, next_pow2(m * self.top_k)), BE=next_pow2(self.num_experts + 1), ROUTE=b.route,
             UE8M0=self.ue8m0, QUANT_GROUPS=8, INTERPRETER=self._interp, PDL=pdl,
             SHARED=self.shared, num_warps=p.warps_route, launch_pdl=pdl,
         )  # fmt: skip
@@ -311,7 +300,7 @@ class MegaExperts:
             b.act, self.w2, self.w2_scale, b.rows, out, self._counts, b.group[0], b.group[1],
             b.group[2], b.route_row, b.weights, m, self.num_experts, self.hidden, self.inter,
             w2_off, s2_off, out.stride(0), p.groups,
-            BM=p.bm, BN=p.bn_down, NT=p.tiles_down, BT=max(2, _pow2(m)), TOP_K=self.top_k,
+            BM=p.bm, BN=p.bn_down, NT=p.tiles_down, BT=max(2, next_pow2(m)), TOP_K=self.top_k,
             SCALE_E8M0=self.scale_e8m0, UE8M0=self.ue8m0, FINALIZE=b.finalize,
             INTERPRETER=self._interp, PDL=pdl, PREFETCH=2 if pdl else 0, SHARED=self.shared,
             num_warps=p.warps, num_stages=p.stages_down, launch_pdl=pdl,
@@ -419,7 +408,7 @@ def _check_weights(name, w13, s13, w2, s2, bias, shared, top_k, limit, max_token
         problems.append(f"swiglu_limit={limit}: must be finite and > 0")
     if not 1 <= max_tokens <= MAX_TOKENS:
         problems.append(f"max_tokens={max_tokens}: must be in 1..{MAX_TOKENS}")
-    if w13.device.type != "cuda" and not _interpreting():
+    if w13.device.type != "cuda" and not interpreting():
         problems.append(f"weights on {w13.device}; the Triton kernels need CUDA")
     if problems:
         raise ValueError(f"{name}: " + "; ".join(problems))

@@ -21,22 +21,15 @@ routed stack, so one launch serves both without copying either.
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, libdevice
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from glm5_kernels.gemm.triton_skinny import (
-    _narrow,
-    _prefetch_l2,
-    _quantize_groups,
-    _weight_scales,
+from glm5_kernels.triton_primitives import (
+    load_weight_scales,
+    narrow,
+    prefetch_l2,
+    quantize_groups,
+    torch_sigmoid,
 )
-
-
-@triton.jit
-def _sigmoid(x, INTERPRETER: tl.constexpr):
-    """1 / (1 + exp(-x)) as torch computes it on CUDA (expf, IEEE division): the same FP32
-    scores, so the same choice wherever two experts' scores are near a tie."""
-    e = tl.exp(-x) if INTERPRETER else libdevice.exp(-x)  # no libdevice on the interpreter
-    return tl.math.div_rn(1.0, 1.0 + e)
 
 
 @triton.jit
@@ -56,7 +49,7 @@ def _quantize_token(x_ptr, xq_ptr, xs_ptr, t, D, stride_xm, UE8M0: tl.constexpr,
         groups = tl.minimum(g0 + tl.arange(0, QUANT_GROUPS), D // 128 - 1)
         cols = groups[:, None] * 128 + c[None, :]
         x = tl.load(x_ptr + t * stride_xm + cols).to(tl.float32)
-        xq, sx = _quantize_groups(x, UE8M0, INTERPRETER)
+        xq, sx = quantize_groups(x, UE8M0, INTERPRETER)
         tl.store(xq_ptr + t * D + cols, xq)
         tl.store(xs_ptr + t * (D // 128) + groups, sx)
 
@@ -90,8 +83,8 @@ def route_kernel(
     if ROUTE:
         cols = tl.arange(0, BE)
         valid = cols < E
-        score = _sigmoid(tl.load(logits_ptr + t * stride_lm + cols, mask=valid, other=0.0),
-                         INTERPRETER)  # fmt: skip
+        score = torch_sigmoid(tl.load(logits_ptr + t * stride_lm + cols, mask=valid, other=0.0),
+                              INTERPRETER)  # fmt: skip
         bias = tl.load(bias_ptr + cols, mask=valid, other=0.0).to(tl.float32)
         choice = tl.where(valid, score + bias, -float("inf"))
         # One max per route: the value's order in the high word, the lower id winning ties
@@ -104,8 +97,8 @@ def route_kernel(
             ids = tl.where(kcols == j, idx, ids)
             key = tl.where(cols == idx, -(2**62), key)
         picked = kcols < TOP_K
-        s = _sigmoid(tl.load(logits_ptr + t * stride_lm + ids, mask=picked, other=0.0),
-                     INTERPRETER)  # fmt: skip
+        s = torch_sigmoid(tl.load(logits_ptr + t * stride_lm + ids, mask=picked, other=0.0),
+                          INTERPRETER)  # fmt: skip
         s = tl.where(picked, s, 0.0)
         weights = s / (tl.sum(s, axis=0) + 1e-20) * scaling
         tl.store(ids_ptr + t * TOP_K + kcols, ids, mask=picked)
@@ -199,14 +192,14 @@ def gate_up_kernel(
         acc_u = tl.zeros([BN, BM], dtype=tl.float32)
         k_tiles = D // 128
         # Scales one step ahead (as the skinny FP8 GEMM does: an L2 round trip per step else).
-        sg_next = _weight_scales(sg_row + steps, SCALE_E8M0)
-        su_next = _weight_scales(su_row + steps, SCALE_E8M0)
+        sg_next = load_weight_scales(sg_row + steps, SCALE_E8M0)
+        su_next = load_weight_scales(su_row + steps, SCALE_E8M0)
         sx_next = tl.load(xs_rows + steps[None, :], mask=in_rows[:, None], other=0.0)
         for kb in range(0, k_tiles, KB):
             after = tl.minimum(kb + KB, k_tiles - KB)
             sg_step, su_step, sx_step = sg_next, su_next, sx_next
-            sg_next = _weight_scales(sg_row + after + steps, SCALE_E8M0)
-            su_next = _weight_scales(su_row + after + steps, SCALE_E8M0)
+            sg_next = load_weight_scales(sg_row + after + steps, SCALE_E8M0)
+            su_next = load_weight_scales(su_row + after + steps, SCALE_E8M0)
             sx_next = tl.load(xs_rows + after + steps[None, :], mask=in_rows[:, None], other=0.0)
             for j in tl.static_range(KB):
                 kt = kb + j
@@ -221,10 +214,10 @@ def gate_up_kernel(
         if PDL:
             gdc_launch_dependents()
         # vLLM's sequence: the gate_up output in BF16, clamped SwiGLU in FP32, stored in BF16.
-        gate = tl.minimum(_narrow(acc_g, tl.bfloat16, INTERPRETER).to(tl.float32), limit)
-        up = _narrow(acc_u, tl.bfloat16, INTERPRETER).to(tl.float32)
+        gate = tl.minimum(narrow(acc_g, tl.bfloat16, INTERPRETER).to(tl.float32), limit)
+        up = narrow(acc_u, tl.bfloat16, INTERPRETER).to(tl.float32)
         up = tl.minimum(tl.maximum(up, -limit), limit)
-        act = _narrow(gate * tl.sigmoid(gate) * up, tl.bfloat16, INTERPRETER)
+        act = narrow(gate * tl.sigmoid(gate) * up, tl.bfloat16, INTERPRETER)
         out = act_ptr + (row0 + offs_m)[None, :] * I + offs_n[:, None]
         tl.store(out, act, mask=in_rows[None, :])
 
@@ -257,7 +250,7 @@ def down_kernel(
     if PDL:
         if PREFETCH > 0 and e >= 0:
             lines = tl.minimum(tl.arange(0, PREFETCH) * 128, I - 1)
-            _prefetch_l2(w_rows + lines[None, :])
+            prefetch_l2(w_rows + lines[None, :])
         gdc_wait()
     if e >= 0:
         _, s_off = _expert_base(group_expert_ptr, group, E, (D // 128) * (I // 128), ws_shared)
@@ -273,10 +266,10 @@ def down_kernel(
             kt = it - tile * k_tiles
             w = tl.load(w_rows + tile * BN * I + kt * 128 + offs_k[None, :])
             a = tl.load(a_ptrs + kt * 128, mask=in_rows[:, None], other=0.0).to(tl.float32)
-            aq, sa = _quantize_groups(a, UE8M0, INTERPRETER)
+            aq, sa = quantize_groups(a, UE8M0, INTERPRETER)
             # BN divides 128: one scale row per tile.
             s_row = ws_ptr + s_off + ((n0 + tile * BN) // 128) * k_tiles
-            sw = _weight_scales(s_row + kt, SCALE_E8M0)
+            sw = load_weight_scales(s_row + kt, SCALE_E8M0)
             acc += tl.dot(w, tl.trans(aq)) * (sa * sw)[None, :]
             if kt == k_tiles - 1:
                 offs_n = n0 + tile * BN + tl.arange(0, BN)
@@ -305,13 +298,13 @@ def down_kernel(
                     )  # fmt: skip
                     routed += w[:, None] * y
                 # The stock sum: routed output in BF16 plus the shared expert's BF16 output.
-                total = _narrow(routed, tl.bfloat16, INTERPRETER).to(tl.float32)
+                total = narrow(routed, tl.bfloat16, INTERPRETER).to(tl.float32)
                 if SHARED:
                     shared = tl.load(
                         rows_ptr + tokens[:, None] * D + offs_n[None, :], mask=live[:, None],
                         other=0.0, cache_modifier=".cg",
                     )  # fmt: skip
-                    total += _narrow(shared, tl.bfloat16, INTERPRETER).to(tl.float32)
+                    total += narrow(shared, tl.bfloat16, INTERPRETER).to(tl.float32)
                 out = out_ptr + tokens[:, None] * stride_om + offs_n[None, :]
-                tl.store(out, _narrow(total, tl.bfloat16, INTERPRETER), mask=live[:, None])
+                tl.store(out, narrow(total, tl.bfloat16, INTERPRETER), mask=live[:, None])
             tl.atomic_xchg(count_ptr + pid_n, 0)
