@@ -32,9 +32,9 @@ from dataclasses import replace
 import torch
 from provenance import floor_bandwidth, provenance, result_args, write_result
 
-from glm5_kernels.gemm import Router, SharedExpert, quantize_tokens_fp8_ref
+from glm5_kernels.gemm import Router, quantize_tokens_fp8_ref, swiglu_ref
 from glm5_kernels.gemm.library import block_fp8_supported, fp8_mlp_library, router_library
-from glm5_kernels.moe import GroupedExperts, MegaExperts, route_ref, swiglu_ref
+from glm5_kernels.moe import GroupedExperts, MegaExperts, SharedExpert, route_ref
 from glm5_kernels.quant import dequantize_fp8_block_ref, quantize_fp8_block_ref
 from glm5_kernels.timing import graph_calls_us
 from glm5_runtime.bench import call_launches

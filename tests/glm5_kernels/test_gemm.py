@@ -23,14 +23,14 @@ from glm5_kernels.gemm import (
     Fp8Linear,
     Projection,
     Router,
-    SharedExpert,
     fp8_linear_ref,
     linear_ref,
     plan,
     quantize_tokens_fp8_ref,
+    swiglu_ref,
 )
 from glm5_kernels.gemm.shapes import flash_shapes
-from glm5_kernels.moe import swiglu_ref
+from glm5_kernels.moe import SharedExpert
 
 interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1"

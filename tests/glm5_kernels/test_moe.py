@@ -198,8 +198,8 @@ def test_shared_expert_beside_the_routed_ones(weights):
     """shared=None: routed rows only (route rows as the reference's), finalized without the
     shared expert; MoeLayer(shared_mlp=SharedExpert) adds it from its own kernels, equal to
     the shared expert as one more group within a BF16 rounding."""
-    from glm5_kernels.gemm import Router, SharedExpert
-    from glm5_kernels.moe import MoeLayer
+    from glm5_kernels.gemm import Router
+    from glm5_kernels.moe import MoeLayer, SharedExpert
 
     m = 5
     gen = torch.Generator().manual_seed(13)

@@ -106,7 +106,7 @@ def test_shared_expert_beside_in_a_graph(stage):
     """MoeLayer(shared_mlp=...): the shared expert on a second stream, forked and joined
     inside the CUDA graph; equal to the shared expert as one more group within a BF16
     rounding, and the graph replays what the eager call computed."""
-    from glm5_kernels.gemm import SharedExpert
+    from glm5_kernels.moe import SharedExpert
 
     w, e8m0, bias, ops = stage
     gen = torch.Generator("cuda").manual_seed(6)

@@ -17,7 +17,8 @@ from transformers.models.glm5_next.modeling_glm5_next import (
 )
 
 import glm5_kernels.moe.reference as moe_reference
-from glm5_kernels.moe import dense_mlp_ref, experts_ref, route_ref, swiglu_ref
+from glm5_kernels.gemm import swiglu_ref
+from glm5_kernels.moe import dense_mlp_ref, experts_ref, route_ref
 from glm5_kernels.quant import dequantize_fp8_block_ref, quantize_fp8_block_ref
 
 CLOSE = {"rtol": 1e-5, "atol": 1e-5}

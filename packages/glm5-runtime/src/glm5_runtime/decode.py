@@ -33,10 +33,10 @@ from torch import Tensor
 
 from glm5_comm import AllReduceBoundary, LogitsGather, MailboxWatch
 from glm5_kernels.dsa import IndexerTopk, KpoolWrite, SparseMlaDecode
-from glm5_kernels.gemm import DenseMlp, Projection, Router, SharedExpert
+from glm5_kernels.gemm import DenseMlp, Projection, Router
 from glm5_kernels.kda import KdaDecode
 from glm5_kernels.mhc import MhcBoundary
-from glm5_kernels.moe import GroupedExperts, MegaExperts, MoeLayer
+from glm5_kernels.moe import GroupedExperts, MegaExperts, MoeLayer, SharedExpert
 from glm5_kernels.quant import dequantize_fp8_block_ref
 from glm5_policy import DecodeConfig, Policy
 

@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from glm5_kernels.gemm.reference import GROUP, fp8_linear_ref, quantize_tokens_fp8_ref
-from glm5_kernels.moe.reference import swiglu_ref
+from glm5_kernels.gemm.reference import GROUP, fp8_linear_ref, quantize_tokens_fp8_ref, swiglu_ref
 
 __all__ = [
     "block_fp8_supported",

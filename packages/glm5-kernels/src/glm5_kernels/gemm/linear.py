@@ -1,5 +1,5 @@
 """Public skinny-GEMM ops: BF16 `Projection` / `Router`, block-FP8 `Fp8Linear`, and the FP8
-MLPs built on it (`DenseMlp`, `SharedExpert`).
+MLP built on it (`DenseMlp`; the MoE's `SharedExpert` is one, in glm5_kernels.moe).
 
 Every op is built once over weights it never modifies, serves any token count 1..max_tokens
 (`supports(m)`), and keeps its compiled kernels per token count: `prepare(tokens)` compiles and
@@ -25,7 +25,6 @@ __all__ = [
     "Fp8Linear",
     "Projection",
     "Router",
-    "SharedExpert",
     "Tile",
     "plan",
 ]
@@ -423,8 +422,3 @@ class DenseMlp:
             h = self.gate_up._launch(x, m, self.gate_up._output(m, None))
             return self.down._launch(h, m, out)
         return self.down._launch(parts, m, out, parts=parts.shape[0])
-
-
-class SharedExpert(DenseMlp):
-    """The MoE layer's shared expert: a DenseMlp at moe_intermediate_size (same weights'
-    layout, `shared_experts.gate_up_proj` / `down_proj`)."""

@@ -15,15 +15,17 @@ gate_up → BF16 → clamped SwiGLU → BF16 → quantize → down.
 """
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from glm5_kernels.moe.reference import swiglu_ref
+from glm5_kernels.quant.reference import pow2_ceil
 
 __all__ = [
     "fp8_linear_ref",
     "fp8_mlp_ref",
     "linear_ref",
     "quantize_tokens_fp8_ref",
+    "swiglu_ref",
     "weight_scales_fp32",
 ]
 
@@ -37,18 +39,13 @@ def linear_ref(x: Tensor, w: Tensor, out_dtype: torch.dtype | None = None) -> Te
     return (x.double() @ w.double().T).to(out_dtype or x.dtype)
 
 
-def _pow2_ceil(s: Tensor) -> Tensor:
-    m, e = torch.frexp(s)
-    return torch.ldexp(torch.ones_like(s), torch.where(m == 0.5, e - 1, e))
-
-
 def quantize_tokens_fp8_ref(x: Tensor, ue8m0: bool = False) -> tuple[Tensor, Tensor]:
     """x [M, K] (K % 128 == 0) -> x_q [M, K] float8_e4m3fn, sx [M, K/128] fp32."""
     m, k = x.shape
     g = x.float().reshape(m, k // GROUP, GROUP)
     sx = g.abs().amax(-1).clamp_min(EPS) / FP8_MAX
     if ue8m0:
-        sx = _pow2_ceil(sx)
+        sx = pow2_ceil(sx)
     q = (g / sx[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.reshape(m, k), sx
 
@@ -72,6 +69,13 @@ def fp8_linear_ref(
     s = weight_scales_fp32(w_scale).double().repeat_interleave(GROUP, 0)[:n]
     wd = w.double().reshape(n, k // GROUP, GROUP) * s[..., None]
     return (xd.reshape(-1, k) @ wd.reshape(n, k).T).to(out_dtype)
+
+
+def swiglu_ref(gate_up: Tensor, limit: float) -> Tensor:
+    """gate_up [..., 2I] -> [..., I] fp32: silu(min(gate, limit)) * clamp(up, ±limit)."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    # Asymmetric on purpose (as trained): silu is already bounded below, so only its top is cut.
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
 def fp8_mlp_ref(

@@ -318,7 +318,7 @@ class MoeLayer:
     FP32 logits), then the experts op the policy picked for that count, finalized: x [M, D]
     BF16 -> routed + shared output [M, D] BF16 (this rank's TP-partial).
 
-    `shared_mlp` (a `gemm.SharedExpert`, with experts built `shared=None`): the shared expert
+    `shared_mlp` (a `SharedExpert`, with experts built `shared=None`): the shared expert
     runs on a second stream beside the router and routed experts (forked and joined inside
     a CUDA graph as well) and is added at the end — the seed's other way to run it, for the
     benchmark to weigh against one more group of the same launches."""

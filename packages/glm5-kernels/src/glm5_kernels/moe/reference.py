@@ -9,13 +9,16 @@ Expert e (and the dense / shared MLP, w13 = cat(gate_proj, up_proj) rows):
     [g, u] = x @ w13ᵀ;  a = silu(min(g, limit)) * clamp(u, -limit, limit);  y = a @ w2ᵀ
     out[t] = Σ_i w[t, i] * expert_{ids[t, i]}(x[t])
 
+The clamped SwiGLU `a` is `swiglu_ref` and `moe_rows_ref`'s FP8 MLP is `fp8_mlp_ref`, both of
+glm5_kernels.gemm: the MoE references build on the GEMM ones, never the reverse.
+
 FP8 weights (128x128 block scales) are dequantized with glm5_kernels.quant; all math is fp32.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from glm5_kernels.gemm.reference import fp8_mlp_ref, swiglu_ref
 from glm5_kernels.quant.reference import dequantize_fp8_block_ref
 
 __all__ = [
@@ -24,7 +27,6 @@ __all__ = [
     "moe_output_ref",
     "moe_rows_ref",
     "route_ref",
-    "swiglu_ref",
 ]
 
 
@@ -41,13 +43,6 @@ def route_ref(
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return weights * routed_scaling, ids
-
-
-def swiglu_ref(gate_up: Tensor, limit: float) -> Tensor:
-    """gate_up [..., 2I] -> [..., I] fp32: silu(min(gate, limit)) * clamp(up, ±limit)."""
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    # Asymmetric on purpose (as trained): silu is already bounded below, so only its top is cut.
-    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
 def _weight(w: Tensor, scale: Tensor | None) -> Tensor:
@@ -109,7 +104,6 @@ def moe_rows_ref(
     1x128 group, the gate_up output in BF16, SwiGLU stored in BF16 and quantized again), the
     down product exact (FP64): x [M, D] BF16, ids [M, k] -> rows [M, 1 + k, D] FP64, the shared
     expert's row first; a route whose id is outside [0, E) gets a zero row."""
-    from glm5_kernels.gemm.reference import fp8_mlp_ref  # it imports this module
 
     def expert(xs: Tensor, a13, s13, a2, s2) -> Tensor:
         return fp8_mlp_ref(xs, a13, s13, a2, s2, limit, ue8m0, out_dtype=torch.float64)

@@ -13,7 +13,7 @@ Error bound (derived in tests/glm5_kernels/test_quant_ref.py): per block, max|w 
 import torch
 from torch import Tensor
 
-__all__ = ["dequantize_fp8_block_ref", "quantize_fp8_block_ref"]
+__all__ = ["dequantize_fp8_block_ref", "pow2_ceil", "quantize_fp8_block_ref"]
 
 FP8_MAX = 448.0
 
@@ -26,7 +26,8 @@ def _blocked(x: Tensor, block: int) -> Tensor:
     return x.reshape(*lead, nn, block, nk, block)
 
 
-def _pow2_ceil(s: Tensor) -> Tensor:
+def pow2_ceil(s: Tensor) -> Tensor:
+    """Positive s -> the smallest power of two >= s, elementwise (UE8M0 scales)."""
     # frexp is exact (s = m * 2^e, m in [0.5, 1)); log2/ceil can round a near-power-of-two down
     # and the resulting scale would push |w / scale| past 448.
     m, e = torch.frexp(s)
@@ -46,7 +47,7 @@ def quantize_fp8_block_ref(
     scale = amax / FP8_MAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     if ue8m0:
-        scale = _pow2_ceil(scale)
+        scale = pow2_ceil(scale)
     # The clamp only guards against a fp32 division landing a hair above 448 (e4m3fn has no inf:
     # an overflowing cast would give NaN).
     qb = (wb / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)

@@ -21,9 +21,9 @@ from glm5_kernels.dsa import (
     pool_sources_ref,
     select_tokens_ref,
 )
-from glm5_kernels.gemm import quantize_tokens_fp8_ref
+from glm5_kernels.gemm import quantize_tokens_fp8_ref, swiglu_ref
 from glm5_kernels.kda import kda_decode_ref, kda_recurrence_ref
-from glm5_kernels.moe import experts_ref, route_ref, swiglu_ref
+from glm5_kernels.moe import experts_ref, route_ref
 from glm5_kernels.norm import rms_norm_ref
 from glm5_kernels.quant import dequantize_fp8_block_ref
 
