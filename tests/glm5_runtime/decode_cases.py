@@ -334,7 +334,7 @@ def copy_caches(dst, src) -> None:
 
 
 def written(step, kind: str, r: int) -> torch.Tensor:
-    """The rows of cache `kind` that request r's step writes (`Step`'s slots): its KDA states
+    """The rows of cache `kind` that request r's step writes (`Placement`'s slots): its KDA states
     kept, its conv row, its tokens' latent slots, its indexer ring."""
     if kind == "recurrent":
         slots = step.write_slots[r]

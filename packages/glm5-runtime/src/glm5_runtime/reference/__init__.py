@@ -3,14 +3,14 @@ caches in vLLM 0.33's layouts; checked against transformers' Glm5Next."""
 
 from .config import TINY, Geometry, geometry
 from .model import ReferenceModel
-from .stages import Step
+from .stages import Placement
 from .weights import load_rank, model_specs, random_rank, random_state_dict
 
 __all__ = [
     "TINY",
     "Geometry",
+    "Placement",
     "ReferenceModel",
-    "Step",
     "geometry",
     "load_rank",
     "model_specs",

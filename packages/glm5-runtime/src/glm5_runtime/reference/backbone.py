@@ -1,6 +1,6 @@
 """The reference backbone through the backbone protocol: `ReferenceBackbone(model)` presents
 a ReferenceModel's layers, weights and stock stages to the specialized decode. Its
-`placement` is the model's `Step`; the stock forward is `model.backbone`. A model across
+`placement` is the model's `Placement`; the stock forward is `model.backbone`. A model across
 processes (`ReferenceModel(group=...)`) presents its one rank, its sums across the processes
 and their mailboxes (`mailbox`) for the fused boundaries' exchange."""
 
@@ -20,7 +20,7 @@ from glm5_kernels.norm import rms_norm_ref
 from ..plan import Rows
 from ..protocol import Indexer, Kda, Layer, Mla, Routing
 from .model import ReferenceModel
-from .stages import FUSED_PARTS, Step
+from .stages import FUSED_PARTS, Placement
 
 __all__ = ["ReferenceBackbone"]
 
@@ -77,13 +77,13 @@ class ReferenceBackbone:
             return rank.fuse(prefix, fused)
         return rank.w.get(name)
 
-    def tokens(self, placement: Step) -> int:
+    def tokens(self, placement: Placement) -> int:
         return placement.positions.numel()
 
-    def positions(self, placement: Step) -> Tensor:
+    def positions(self, placement: Placement) -> Tensor:
         return placement.positions
 
-    def rows(self, placement: Step) -> Mapping[str, Rows]:
+    def rows(self, placement: Placement) -> Mapping[str, Rows]:
         """vLLM's metadata for this step, as row counts: a decode (T = 1) or, with
         keep_states, a uniform verify of T tokens per request; T > 1 without it is a prefill."""
         requests, tokens = placement.positions.shape
@@ -107,7 +107,7 @@ class ReferenceBackbone:
                 out[f"{p}.indexer"] = Rows(**{**vars(mla), "indexer": True})
         return out
 
-    def draft_rows(self, placement: Step) -> Mapping[str, Rows]:
+    def draft_rows(self, placement: Placement) -> Mapping[str, Rows]:
         requests, tokens = placement.positions.shape
         n = requests * tokens
         out: dict[str, Rows] = {}
@@ -118,7 +118,7 @@ class ReferenceBackbone:
         return out
 
     def draft_input(
-        self, k: int, tokens: Tensor | None, hidden: Tensor, placement: Step, embeds=None
+        self, k: int, tokens: Tensor | None, hidden: Tensor, placement: Placement, embeds=None
     ) -> Tensor:
         p = f"layers.{self.model.mtp_layers[k]}"
         embedded = self.embed(tokens) if embeds is None else embeds
@@ -154,7 +154,7 @@ class ReferenceBackbone:
     def final_norm(self, streams: Tensor) -> Tensor:
         return rms_norm_ref(hc_head_ref(streams), self.model._w("norm.weight"), self.g.rms_norm_eps)
 
-    def attention(self, shard: int, layer: int, x: Tensor, placement: Step) -> Tensor:
+    def attention(self, shard: int, layer: int, x: Tensor, placement: Placement) -> Tensor:
         rank = self.model.ranks[shard]
         if layer >= self.g.num_hidden_layers:  # an MTP layer: its own indexer
             return rank.mla(layer, x, placement, None)[0]

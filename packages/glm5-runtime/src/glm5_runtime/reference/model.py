@@ -29,7 +29,7 @@ from glm5_kernels.norm import rms_norm_ref
 from .caches import allocate
 from .config import Geometry
 from .memory import fit_problem
-from .stages import RankStages, Step, reduce
+from .stages import Placement, RankStages, reduce
 from .weights import load_rank, random_rank, random_state_dict
 
 
@@ -159,7 +159,7 @@ class ReferenceModel:
         del self.pending[r]
 
     # Steps.
-    def step(self, requests: Sequence[int], tokens: int, verify: bool = False) -> Step:
+    def step(self, requests: Sequence[int], tokens: int, verify: bool = False) -> Placement:
         """The cache placement of `tokens` new tokens for each request."""
         problems = [f"request {r}: not added" for r in requests if r in self.free]
         problems += [
@@ -189,12 +189,12 @@ class ReferenceModel:
             write = torch.full((len(requests), tokens), -1, device=dev)
             write[:, -1] = read
         conv = self.state_slots[rows, 0]
-        return Step(
+        return Placement(
             positions, slots, table, read, write, conv, current, rows + 1, bs, keep_states=verify
         )
 
-    def place(self, requests: Sequence[int], positions: Tensor) -> Step:
-        """A Step at explicit positions [R, T] that writes no KDA state (the MTP layer's
+    def place(self, requests: Sequence[int], positions: Tensor) -> Placement:
+        """A Placement at explicit positions [R, T] that writes no KDA state (the MTP layer's
         steps, and benchmarks that pin a context length)."""
         rows = torch.tensor(list(requests), device=self.device)
         table = self.block_table[rows]
@@ -202,7 +202,7 @@ class ReferenceModel:
         slots = table.gather(1, positions // bs) * bs + positions % bs
         read = self.state_slots[rows, 0]
         write = read[:, None].expand(-1, positions.shape[1]).contiguous()
-        return Step(
+        return Placement(
             positions, slots, table, read, write, read, torch.zeros_like(read), rows + 1, bs
         )
 
@@ -212,7 +212,7 @@ class ReferenceModel:
         tokens: Tensor,
         *,
         verify: bool = False,
-        step: Step | None = None,
+        step: Placement | None = None,
         run=None,
     ) -> Tensor:
         """Final normalized hidden states [R, T, D] of T new tokens per request. `run(tokens,
@@ -227,7 +227,7 @@ class ReferenceModel:
             self.lengths[r] += T
         return h
 
-    def backbone(self, tokens: Tensor, step: Step) -> Tensor:
+    def backbone(self, tokens: Tensor, step: Placement) -> Tensor:
         """The decoder over a placed step; writes the caches, keeps no Python state."""
         g = self.g
         x = self.reduce([rank.embed(tokens) for rank in self.ranks])
@@ -296,7 +296,12 @@ class ReferenceModel:
 
     # The MTP draft layer (no mHC): enorm/hnorm -> eh_proj -> MLA+MoE block -> head norm.
     def draft_hidden(
-        self, tokens: Tensor, hidden: Tensor, step: Step, k: int = 0, topk: Tensor | None = None
+        self,
+        tokens: Tensor,
+        hidden: Tensor,
+        step: Placement,
+        k: int = 0,
+        topk: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """MTP layer k at `step`'s positions on (token, hidden) pairs [R, T] / [R, T, D]:
         the draft hidden states [R, T, D] (post head norm: they feed the LM head and the

@@ -1,7 +1,7 @@
 """The stock stages of one TP rank, written plainly: each returns the rank's TP-partial
 output (the sum over ranks is the layer's output; `reduce` is that sum).
 
-Tensors: x [R, T, D] BF16 (R requests, T new tokens each); `Step` says where the tokens
+Tensors: x [R, T, D] BF16 (R requests, T new tokens each); `Placement` says where the tokens
 sit in the caches. Math follows transformers' Glm5Next (the oracle) with glm5-kernels'
 torch references as the one spec per op; matmuls of BF16 weights run in BF16 as
 `nn.Linear` does, mixing and recurrences in FP32."""
@@ -41,9 +41,11 @@ FUSED_PARTS = {
 
 
 @dataclass
-class Step:
-    """Where a uniform step's tokens go. positions/slots [R, T] int64 (slot = flat paged
-    cache index); block_table [R, blocks] int64. KDA, as vLLM's spec decode keeps it:
+class Placement:
+    """Where a uniform step's tokens go in the caches (the reference backbone's `placement`;
+    `glm5_runtime.plan.Step` is the planned step's shape). positions/slots [R, T] int64
+    (slot = flat paged cache index); block_table [R, blocks] int64. KDA, as vLLM's spec
+    decode keeps it:
     read_slots [R]: the recurrent state each request starts from; write_slots [R, T]: where
     the state after each token goes (-1: not stored; a decode writes in place, a verify keeps
     every token's, so accepting n resumes from write_slots[:, n - 1]); conv_slots [R]: the
@@ -154,7 +156,7 @@ class RankStages:
         return F.linear(x, self.w["lm_head.weight"]).float()
 
     # KDA linear attention.
-    def kda(self, layer: int, x: Tensor, step: Step) -> Tensor:
+    def kda(self, layer: int, x: Tensor, step: Placement) -> Tensor:
         g, a = self.g, f"layers.{layer}.self_attn"
         T = x.shape[1]
         whole, (q, k, v, b, f_a, g_a) = self._parts(x, a, "in_proj_qkvbfg_a")
@@ -186,7 +188,9 @@ class RankStages:
         return kda_recurrence_ref(q, k, v, gate, beta, state, all_states=all_states)
 
     # MLA (NoPE) with the DSA indexer.
-    def mla(self, layer: int, x: Tensor, step: Step, topk: Tensor | None) -> tuple[Tensor, Tensor]:
+    def mla(
+        self, layer: int, x: Tensor, step: Placement, topk: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
         """Partial output and the token indices [R, T, index_topk + kpool - 1] it attended.
         `topk` given: attend those (a shared layer, or an MTP draft step reusing step 0's
         selection) without running the indexer or writing its caches."""
@@ -231,7 +235,7 @@ class RankStages:
         o = torch.einsum("rthl,hvl->rthv", o, w_uv).to(x.dtype)
         return self.linear(o.reshape(R, T, heads * vd), f"{a}.o_proj.weight"), topk
 
-    def indexer(self, layer: int, x: Tensor, q_resid: Tensor, step: Step) -> Tensor:
+    def indexer(self, layer: int, x: Tensor, q_resid: Tensor, step: Placement) -> Tensor:
         """Top-k pools (+ the always-selected incomplete tail) per query, as token indices.
         The pool cache's dtype picks the numerics: uint8 pages are vLLM's (FP32 key norm,
         Hadamard + FP8 pool keys and queries), BF16 keys are transformers'."""
@@ -412,7 +416,7 @@ def _pages(kpool: Tensor) -> tuple[Tensor, Tensor]:
     return keys, row[:, per_block * (width - 4) :].view(torch.float32)
 
 
-def _slots(index: Tensor, step: Step) -> Tensor:
+def _slots(index: Tensor, step: Placement) -> Tensor:
     """Flat paged-cache slots of token positions `index` [R, ...] through the block table."""
     bs = step.block_size
     R = index.shape[0]
