@@ -17,10 +17,15 @@ FAMILIES = ("sm90", "sm100")
 
 STAGES: MappingProxyType[str, frozenset[str]] = MappingProxyType(
     {
-        # Routed experts: one kernel per (token, route) pair, or grouped by unique expert
-        # with the shared expert as one more expert.
+        # The whole MoE layer (router, routing, routed + shared experts, summed) in four
+        # launches, the shared expert one more expert of them. The routes are grouped by
+        # expert, each group's weights read once for its tokens: `per_route`, one group per
+        # touched expert holding all of its tokens (every expert read once a step);
+        # `grouped`, groups of at most 16 tokens (smaller MMA tiles, a hot expert read once
+        # per 16).
         "moe": frozenset({"per_route", "grouped"}),
-        # The shared expert as fused FP8 GEMVs on a side stream.
+        # The shared expert's FP8 SwiGLU MLP as two skinny GEMMs (where `moe` does not run
+        # it within its own launches).
         "shared_expert": frozenset({"gemv"}),
         # The BF16 router GEMM as split-K.
         "router": frozenset({"split_k"}),

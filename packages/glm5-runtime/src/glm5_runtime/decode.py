@@ -1,24 +1,34 @@
 """The specialized decode over a backbone: one routing decision per step (`plan`), then
 every layer's stages in one loop, captured once per token count in a FULL CUDA graph.
 
-Stages come from the policy per stage and token count. The ones built today are
-glm5-kernels' skinny GEMMs: `dsa_proj` (MLA / indexer projections), `kda_proj` (KDA q/k/v),
-`router`, `shared_expert`, `dense_mlp` and `logits_head`; and its MoE stage `moe` (the
-whole MoE layer, router to sum, in four launches: where it serves a token count, the
-`router` and `shared_expert` ops of MoE layers are not used). They stand in for the backbone's
-stock ops through its routes while a planned step of a token count they serve runs, so the
-layer loop reads like the model's and every op without a stage is the backbone's own. A
-stage that cannot be built logs one warning and its ops stay stock.
-
-The `boundary` stage replaces the loop's mHC boundaries themselves (post, pre, norm: dozens
-of stock kernels each) with one `MhcBoundary` kernel each: the first expands the embedding
-into the streams, the last takes the streams' mean and the final norm. Sublayer outputs are
-reduced by the backbone before it, unless the TP ranks live in other processes and the
-backbone gives a mailbox over them: then sublayers leave their outputs TP-partial (`partial`)
-and each boundary is glm5-comm's `AllReduceBoundary`, the all-reduce and the boundary in one
-launch. The `kda` stage runs each KDA layer's conv -> gates -> delta
-rule -> gated norm as one `KdaDecode` launch between the backbone's projections and o_proj,
-on the layer's caches and the step's neutral placement (the `self_attn.kda` route).
+Stages come from the policy per stage and token count. Most stand in for a stock op of the
+backbone through its routes (by weight name or module prefix) while a planned step of a
+token count they serve runs, so every op without a stage stays the backbone's own:
+  * glm5-kernels' skinny GEMMs: `dsa_proj` (the MLA q_a / kv_a / q_b / o_proj and indexer
+    wq_b projections; one op over a fused q_a | kv_a weight where the backbone holds one),
+    `kda_proj` (KDA q / k / v), `router` (the MoE gate, FP32 logits), and the block-FP8 SwiGLU
+    MLPs `shared_expert` (`SharedExpert`) and `dense_mlp` (`DenseMlp`);
+  * `moe`: the whole MoE layer (router, routing, routed + shared experts, summed) as one
+    `MoeLayer` in four launches, its experts `MegaExperts` (`per_route`) or `GroupedExperts`
+    (`grouped`) per token count; where it compiles, the layer's `router` and `shared_expert`
+    routes are dropped for its token counts (`supersedes`);
+  * `kda`: each KDA layer's conv -> gates -> delta rule -> gated norm as one `KdaDecode`
+    launch between the backbone's projections and o_proj, on the layer's caches and the
+    step's neutral placement (route `self_attn.kda`);
+  * `dsa_attn`: each MLA layer's attention over the indexer's selection and its value-up
+    (`SparseMlaDecode`); `dsa_kpool` (`KpoolWrite`: the pool write and query rotation) and
+    `dsa_indexer` (`IndexerTopk`: pool scoring and top-k) on each layer with its own indexer
+    (a shared-indexer layer reuses the previous selection).
+The others are called by the decode itself: `logits_head` (the skinny LM head of
+`compute_logits`), `logits_gather` (the logits' all-gather through mailboxes where the vocab
+shards live in other processes) and `boundary`, which replaces the loop's mHC boundaries
+(post, pre, norm: dozens of stock kernels each) with one `MhcBoundary` kernel each: the first
+expands the embedding into the streams, the last takes the streams' mean and the final norm.
+Sublayer outputs are reduced by the backbone before it, unless the TP ranks live in other
+processes and the backbone gives a mailbox over them: then sublayers leave their outputs
+TP-partial (`partial`) and each boundary is glm5-comm's `AllReduceBoundary`, the all-reduce
+and the boundary in one launch. A stage that cannot be built or compiled logs one warning
+and its ops stay stock.
 """
 
 from __future__ import annotations
