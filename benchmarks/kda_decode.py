@@ -8,9 +8,10 @@ verify), the fla recurrence with the gate and beta in the kernel, state in place
 (`fused_recurrent_kda_packed_decode` for one token, `fused_recurrent_kda` with
 `num_accepted_tokens` for a verify), then fla-core's `rms_norm_gated` and vLLM's copy of its
 result into the attention output. vLLM is not installed on the GPU host: `--vllm-ops DIR`
-names a folder holding vLLM 0.33's `model_executor/layers/mamba/ops/causal_conv1d.py` and
-`models/kimi_k3/nvidia/ops/third_party/kda/fused_recurrent.py` (as `causal_conv1d.py`,
-`fused_recurrent.py`); they are loaded with stand-ins for the few vLLM helpers they import.
+names a folder of vLLM 0.33's files (`benchmarks/vllm_files.py` makes it), of which these
+ops are `model_executor/layers/mamba/ops/causal_conv1d.py` and
+`models/kimi_k3/nvidia/ops/third_party/kda/fused_recurrent.py`, loaded by
+`glm5_runtime.vllm_stock.VllmKernels` with stand-ins for the vLLM helpers they import.
 
 Floor: the bytes a step must move ÷ `hbm_bandwidth()` of the same run — the recurrent state
 read once and written once per stored token, the conv window read and its new columns
@@ -25,12 +26,9 @@ Timing: CUDA-graph replays, median; every call in a graph on its own state slots
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
-import sys
 import time
-import types
 
 import torch
 from provenance import floor_bandwidth, provenance, result_args, write_result
@@ -38,6 +36,7 @@ from provenance import floor_bandwidth, provenance, result_args, write_result
 from glm5_kernels.kda import KdaDecode, kda_decode_ref
 from glm5_kernels.timing import graph_calls_us
 from glm5_runtime.bench import call_launches
+from glm5_runtime.vllm_stock import VllmKernels
 
 K = V = 128
 W, LOWER_BOUND, EPS = 4, -5.0, 1e-5
@@ -46,38 +45,9 @@ SWEEP = ((16, 2), (16, 4), (32, 2), (32, 4), (64, 4), (128, 4), (128, 8))
 
 
 def vllm_ops(folder: str):
-    """vLLM 0.33's KDA decode kernels from copies of their two source files, with stand-ins
-    for the helpers they import (platform flags, Triton, two constants, exp / log, cdiv)."""
-    import triton
-    import triton.language as tl
-
-    pdl = torch.cuda.get_device_capability()[0] >= 9
-    platform = types.SimpleNamespace(
-        is_arch_support_pdl=lambda: pdl, is_cpu=lambda: False, is_rocm=lambda: False
-    )
-    stubs = {
-        "vllm.platforms": {"current_platform": platform},
-        "vllm.triton_utils": {"tl": tl, "triton": triton},
-        "vllm.v1.attention.backends.utils": {"NULL_BLOCK_ID": 0, "PAD_SLOT_ID": -1},
-        "vllm.third_party.flash_linear_attention.ops.op": {"exp": tl.exp, "log": tl.log},
-        "vllm.utils.math_utils": {
-            "cdiv": lambda a, b: -(a // -b),
-            "next_power_of_2": triton.next_power_of_2,
-        },
-    }
-    for name, attrs in stubs.items():
-        parts = name.split(".")
-        for i in range(1, len(parts) + 1):
-            sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
-        sys.modules[name].__dict__.update(attrs)
-
-    def load(file: str):
-        spec = importlib.util.spec_from_file_location(f"vllm_ops_{file}", f"{folder}/{file}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
-    return load("causal_conv1d"), load("fused_recurrent")
+    """vLLM 0.33's KDA decode kernels (its causal conv, Kimi's recurrence) from the folder."""
+    kernels = VllmKernels(folder)
+    return kernels.conv, kernels.kimi
 
 
 def weights(heads: int, gen):
@@ -206,7 +176,7 @@ def main() -> None:
     parser.add_argument("--requests", default="1,2,4,8,16,32,64")
     parser.add_argument("--q", default="1,2,4")
     parser.add_argument("--sweep", action="store_true", help="time every (BV, warps) tile too")
-    parser.add_argument("--vllm-ops", help="folder with vLLM 0.33's two KDA kernel files")
+    parser.add_argument("--vllm-ops", help="folder of vLLM 0.33's files (vllm_files.py)")
     result_args(parser)
     args = parser.parse_args()
     if args.table:

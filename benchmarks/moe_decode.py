@@ -10,6 +10,11 @@ quantization / SwiGLU ops between, weighted and summed with index_add, plus the 
 expert the same way. The touched experts and their tokens are known on the host when the
 graph is captured (a stock path would have to gather or sync to know them): generous to it.
 Reference: the runtime's stock experts (FP8 weights dequantized per route, capturable).
+vLLM (`--vllm-ops DIR`, a folder of vLLM 0.33's files made by `benchmarks/vllm_files.py`): the
+library router and routing ops, then vLLM 0.33's fused-MoE Triton kernel over the block-FP8
+weights in place, as its TritonExperts runs it (`glm5_runtime.vllm_stock.fused_experts`:
+vLLM's per-token-group quantization, block assignment, fused_moe_kernel for w13 and w2, the
+clamped SwiGLU; the alignment sort and the top-k sum in torch), plus the library's shared expert.
 Floor: the touched experts' weights and scales (each once), the shared expert's, the
 router's, and x / logits / output bytes ÷ `hbm_bandwidth()` measured in the same run.
 
@@ -19,7 +24,7 @@ Launches: kernel nodes of one layer's captured graph. Each path is checked again
 library's output (the same FP8 numerics) before it is timed.
 
     PYTHONPATH=packages/glm5-kernels/src:packages/glm5-runtime/src:packages/glm5-policy/src \\
-        python benchmarks/moe_decode.py --out benchmarks/results/moe_decode_h200.json
+        python benchmarks/moe_decode.py --vllm-ops DIR --out benchmarks/results/moe_decode_h200.json
 """
 
 from __future__ import annotations
@@ -38,9 +43,14 @@ from glm5_kernels.moe import GroupedExperts, MegaExperts, SharedExpert, route_re
 from glm5_kernels.quant import dequantize_fp8_block_ref, quantize_fp8_block_ref
 from glm5_kernels.timing import graph_calls_us
 from glm5_runtime.bench import call_launches
+from glm5_runtime.vllm_stock import VllmKernels, fused_experts
 
 E, D, K, LIMIT, SCALING, INTER = 288, 4096, 8, 10.0, 2.5, 2048
 COPIES = 8  # routings / router / shared-expert copies cycled through per graph
+VLLM_ROW = (
+    "library router + torch routing ops + vLLM 0.33's TritonExperts sequence "
+    "(glm5_runtime.vllm_stock.fused_experts) + the library's shared expert"
+)
 # per_route_side: MegaExperts without the shared expert, which runs beside them on a second
 # stream inside the graph (gemm.SharedExpert), added at the end.
 PATHS = {"per_route": MegaExperts, "grouped": GroupedExperts, "per_route_side": MegaExperts}
@@ -69,6 +79,14 @@ def logits_for(routing: str, m: int, gen) -> torch.Tensor:
     return logits
 
 
+def torch_routing(logits, bias):
+    """torch's routing ops: sigmoid, top-k of scores + bias, renormalized, scaled."""
+    scores = torch.sigmoid(logits)
+    ids = torch.topk(scores + bias, K, dim=-1).indices
+    weights = scores.gather(1, ids)
+    return weights / (weights.sum(-1, keepdim=True) + 1e-20) * SCALING, ids
+
+
 def library_layer(x, router_w, bias, logits, experts, shared):
     """The library stock for one call; `logits` fixes the routing the host planned for."""
     w13, s13, w2, s2 = experts
@@ -77,10 +95,7 @@ def library_layer(x, router_w, bias, logits, experts, shared):
 
     def run():
         router_library(x, router_w)  # its logits are replaced by the planned ones
-        scores = torch.sigmoid(logits)
-        ids = torch.topk(scores + bias, K, dim=-1).indices
-        weights = scores.gather(1, ids)
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20) * SCALING
+        weights, ids = torch_routing(logits, bias)
         xq, sx = quantize_tokens_fp8_ref(x)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e, tok in plan:
@@ -90,6 +105,21 @@ def library_layer(x, router_w, bias, logits, experts, shared):
         return (out.bfloat16() + fp8_mlp_library(xq, sx, *shared, LIMIT)).bfloat16()
 
     return run, len(plan)
+
+
+def vllm_layer(kernels, x, router_w, bias, logits, experts, shared):
+    """vLLM's fused-MoE experts after the library router and torch's routing ops (`logits`
+    fix the routing), plus the library's shared expert."""
+    w13, s13, w2, s2 = experts
+
+    def run():
+        router_library(x, router_w)  # its logits are replaced by the planned ones
+        weights, ids = torch_routing(logits, bias)
+        routed = fused_experts(kernels, x, w13, s13, w2, s2, ids, weights, LIMIT)
+        xq, sx = quantize_tokens_fp8_ref(x)
+        return routed + fp8_mlp_library(xq, sx, *shared, LIMIT)
+
+    return run
 
 
 def reference_layer(x, router_w, bias, logits, experts, shared):
@@ -197,6 +227,8 @@ def main() -> None:
                         help="token counts the (slow) torch reference is timed at")  # fmt: skip
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--sweep", action="store_true", help="time each launch and tile variants")
+    parser.add_argument("--vllm-ops", help="folder of vLLM 0.33's files (vllm_files.py): the "
+                        "vLLM fused-MoE row")  # fmt: skip
     result_args(parser)
     args = parser.parse_args()
     if args.table:
@@ -204,6 +236,7 @@ def main() -> None:
         return
     if block_fp8_supported(torch.device("cuda")) is None:
         raise SystemExit("the library stock needs torch's block-scaled _scaled_mm")
+    kernels = VllmKernels(args.vllm_ops) if args.vllm_ops else None
     gen = torch.Generator("cuda").manual_seed(0)
     bw = floor_bandwidth()
     rows, start = [], time.perf_counter()
@@ -276,6 +309,16 @@ def main() -> None:
                         }
                         rows[-1]["sweep"] = sweep(path_ops, router_ops, xs, logits, m, floors)
                     print(json.dumps(rows[-1]))
+                if kernels is not None:
+                    fns = [vllm_layer(kernels, xs[c], routers[c], bias, logits[c], experts,
+                                      shared[c]) for c in range(COPIES)]  # fmt: skip
+                    got = fns[0]().double()
+                    us = graph_calls_us(fns)
+                    rows.append({**base, "path": "vllm", "us": us, "floor_ratio": us / floor,
+                                 "speedup_vs_library": library_us / us,
+                                 "rel_error": ((got - want).norm() / want.norm()).item(),
+                                 "launches": call_launches(fns[0])})  # fmt: skip
+                    print(json.dumps(rows[-1]))
                 if m in ref_tokens:
                     refs = [reference_layer(xs[c], routers[c], bias, logits[c], experts,
                                             shared[c]) for c in range(2)]  # fmt: skip
@@ -294,6 +337,8 @@ def main() -> None:
         "library": "cuBLAS router (FP32 out) + torch routing ops + torch._scaled_mm block-"
         "scaled per touched expert (touched set known on the host) + torch quantization / "
         "SwiGLU / index_add ops; the shared expert the same way",
+        "vllm": VLLM_ROW if kernels else None,
+        "vllm_files": kernels.manifest if kernels else None,
         "seconds": time.perf_counter() - start,
         "rows": rows,
     }
@@ -304,7 +349,7 @@ def table(path: str) -> str:
     """Markdown: us (floor ratio) per path, per tp / routing / M."""
     with open(path) as f:
         result = json.load(f)
-    paths = [p for p in (*PATHS, "library", "reference")
+    paths = [p for p in (*PATHS, "vllm", "library", "reference")
              if any(r["path"] == p for r in result["rows"])]  # fmt: skip
     lines = [
         f"{result['gpu']}, {result['date']}, commit {result['commit']}: µs per MoE layer "

@@ -1,9 +1,10 @@
 """The bench's inputs off the GPU: random caches (no step timed on zeros) and token ids each
-held rank embeds; and its tables straight from a results file."""
+held rank embeds; its tables straight from a results file; the stage marks leave a stock's
+own stages installed."""
 
 import torch
 
-from glm5_runtime.bench import _fill_caches, _token_ids, floor_bytes, table
+from glm5_runtime.bench import StageMarks, _fill_caches, _token_ids, floor_bytes, table
 from glm5_runtime.reference import ReferenceModel, geometry
 from glm5_runtime.reference.backbone import ReferenceBackbone
 from glm5_runtime.reference.stages import FUSED_PARTS, _pages
@@ -58,3 +59,18 @@ def test_fused_projections_share_their_parts_bytes():
                 assert torch.equal(rank.w[n], held[n])
     assert built == len(backbone.layers)  # one per layer: in_proj (KDA) or q_a | kv_a (MLA)
     assert floor_bytes(model, 1, 16) == before
+
+
+def test_stage_marks_put_a_stocks_own_stage_back():
+    """A stock installs its own stage on a rank (VllmStock's kda): the marks wrap it while
+    they are entered and leave it installed after, every other stage the rank's method."""
+    model = ReferenceModel.random(geometry("tiny"), max_requests=1, max_context=16)
+    rank = model.ranks[0]
+
+    def own(*args):
+        return "own"
+
+    rank.kda = own
+    with StageMarks(model):
+        assert rank.kda is not own and "mla" in vars(rank)
+    assert rank.kda is own and "mla" not in vars(rank)

@@ -5,6 +5,7 @@ apart, what its times cover, and with `--compare` both paths' tokens. Also
 `Geometry.from_hf` on a plain config.json, and the memory estimate the demo's refusal rests
 on."""
 
+import hashlib
 import json
 import os
 import signal
@@ -74,7 +75,22 @@ def no_cuda(monkeypatch):
         (["bench", "--q", "9"], "argument --q: expects an integer in 1..8"),
         (["bench", "--iters", "0"], "argument --iters: expects a positive integer"),
         (["bench", "--context", "0"], "argument --context: expects a positive integer"),
-        (["bench", "--stock", "cublas"], "argument --stock: invalid choice"),
+        (
+            ["bench", "--stock", "cublas"],
+            "argument --stock: expects comma-separated stocks from "
+            "reference, library, vllm, each once (or both: reference,library), got 'cublas'",
+        ),
+        (["bench", "--stock", "vllm,vllm"], "argument --stock: expects comma-separated stocks"),
+        (
+            ["bench", "--stock", "library,vllm"],
+            "--stock vllm: needs --vllm-ops DIR, a folder of "
+            "vLLM 0.33's kernel files (benchmarks/vllm_files.py copies them out of an installed "
+            "vllm==0.33.0)",
+        ),
+        (
+            ["bench", "--stock", "vllm", "--vllm-ops", "/no/such/folder"],
+            "argument --vllm-ops: no folder '/no/such/folder'",
+        ),
         (["bench", "--policy", "{"], "argument --policy: policy: not valid JSON"),
         (["bench", "--policy", '{"moe": "x"}'], "argument --policy: policy['moe']: unknown"),
         (
@@ -96,6 +112,39 @@ def no_cuda(monkeypatch):
 )
 def test_bad_input_is_one_line(capsys, no_build, no_cuda, argv, message):
     assert refused(capsys, argv).startswith(message)
+
+
+def _vllm_folder(path, version="0.33.0"):
+    """A folder shaped as benchmarks/vllm_files.py makes one (its files' contents aside)."""
+    from glm5_runtime.vllm_files import FILES, MANIFEST
+
+    files = {}
+    for name in FILES.values():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(f"# {name}\n")
+        files[name] = hashlib.sha256((path / name).read_bytes()).hexdigest()
+    (path / MANIFEST).write_text(json.dumps({"vllm": version, "files": files}))
+    return str(path)
+
+
+def test_vllm_ops_folder_is_checked_and_needs_the_vllm_stock(capsys, no_build, no_cuda, tmp_path):
+    folder = _vllm_folder(tmp_path / "ok")
+    assert refused(capsys, ["bench", "--vllm-ops", folder]) == (
+        "--vllm-ops: only with --stock vllm (the folder holds that stock's kernels)"
+    )
+    assert refused(capsys, ["bench", "--stock", "vllm", "--vllm-ops", folder]).startswith(
+        "needs a CUDA GPU"
+    )  # the folder passed: the next check is the GPU's
+    old = _vllm_folder(tmp_path / "old", version="0.32.0")
+    assert refused(capsys, ["bench", "--stock", "vllm", "--vllm-ops", old]) == (
+        f"argument --vllm-ops: {old!r} holds vLLM 0.32.0's files, not 0.33.0's"
+    )
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert refused(capsys, ["bench", "--stock", "vllm", "--vllm-ops", str(empty)]) == (
+        f"argument --vllm-ops: {str(empty)!r} has no vllm_files.json (benchmarks/vllm_files.py "
+        "makes the folder)"
+    )
 
 
 def test_cuda_demo_without_cuda(capsys, no_build, no_cuda):

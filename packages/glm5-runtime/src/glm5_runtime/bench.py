@@ -3,14 +3,18 @@
 captured step holds, a per-stage split of the step that adds up to it, the HBM floor, JSON
 results and a PNG plot (`glm5-decode plot`).
 
-Two stocks: `reference`, the reference backbone's plain torch ops (the equivalence oracle),
-and `library`, the same step with its linears, experts and KDA recurrence on the best library
-kernels of this machine (`glm5_runtime.library`), the path a user without this project runs.
+Three stocks: `reference`, the reference backbone's plain torch ops (the equivalence oracle);
+`library`, the same step with its linears, experts and KDA recurrence on the best library
+kernels of this machine (`glm5_runtime.library`); `vllm`, the same step with its routed
+experts and KDA core on vLLM 0.33's own Triton kernels, loaded from a folder of the wheel's
+files (`glm5_runtime.vllm_stock`; `--vllm-ops DIR`), the path a vLLM user runs for those ops.
+Each stock names what runs each of its ops in the results (`stock_sources`, `library_kernels`).
 
 `--kernels` adds each step's kernel table (`glm5_runtime.kernel_table`): every kernel by
 the stage that launched it, its launches and own time, each stage's bytes and floor ratio.
 
     glm5-decode bench --geometry flash-tp4-rank --tokens 1,8,64 --kernels --out bench.json
+    glm5-decode bench --stock vllm,library --vllm-ops vllm-files --out bench.json
     glm5-decode plot bench.json --out bench.png
 """
 
@@ -109,15 +113,18 @@ class StageMarks:
         return marked
 
     def __enter__(self) -> StageMarks:
-        for rank in self.model.ranks:
-            for name in STAGES:
-                setattr(rank, name, self._wrap(name, getattr(rank, name)))
+        # A stock's own stage (VllmStock's kda) is wrapped, and put back on exit.
+        self.own = [(rank, name, rank.__dict__.get(name)) for rank in self.model.ranks
+                    for name in STAGES]  # fmt: skip
+        for rank, name, _ in self.own:
+            setattr(rank, name, self._wrap(name, getattr(rank, name)))
         return self
 
     def __exit__(self, *exc) -> None:
-        for rank in self.model.ranks:
-            for name in STAGES:
-                rank.__dict__.pop(name, None)
+        for rank, name, own in self.own:
+            rank.__dict__.pop(name, None)
+            if own is not None:
+                setattr(rank, name, own)
 
     def split(self) -> dict[str, float]:
         """Milliseconds per stage of the last replay (the marks must have completed)."""
@@ -230,14 +237,15 @@ def _captured(forward) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def _measure(model, decode, side: str, ids, step, iters: int, unlaunched=None) -> dict:
+def _measure(model, decode, side: str, ids, step, iters: int, unlaunched=None, stock=None) -> dict:
     """One side's step: its graph's median replay ms and nodes, and the per-stage split of a
     second capture with `StageMarks` (its median per stage over the replays); with
     `unlaunched` (the decode built with PDL off, or True for a stock side), its kernel table.
+    `stock`: the context that installs a stock side's ops (LibraryStock, VllmStock).
     Replays repeat the step on caches it updated in place, so outputs are not compared here:
     equivalence is tests/glm5_runtime/test_decode*.py's job."""
     forward = _forward(model, decode, side, ids, step)
-    library = LibraryStock(model) if side == "library" else nullcontext()
+    library = nullcontext() if stock is None else stock
     kernels = None
     with torch.no_grad(), library:
         graph = _captured(forward)
@@ -303,7 +311,8 @@ def run(args) -> dict:
     g = geometry(args.geometry)
     q = args.q
     tokens = [int(t) for t in args.tokens.split(",")]
-    stocks = {"both": ["reference", "library"]}.get(getattr(args, "stock", "both"), [args.stock])
+    stock = getattr(args, "stock", "both")
+    stocks = {"both": "reference,library"}.get(stock, stock).split(",")
     model = ReferenceModel.random(
         g, seed=0, device="cuda", max_requests=max(tokens) // q, max_context=args.context + 16,
         q=q,
@@ -321,6 +330,13 @@ def run(args) -> dict:
     build_s = time.perf_counter() - start
     bandwidth = hbm_bandwidth()
     sides = [*stocks, "specialized"]
+    installs = {}  # each stock side's ops, installed while it is measured
+    if "library" in stocks:
+        installs["library"] = LibraryStock(model)
+    if "vllm" in stocks:
+        from .vllm_stock import VllmStock  # Triton, and vLLM's files: only for this stock
+
+        installs["vllm"] = VllmStock(model, args.vllm_ops)
     unlaunched = None
     if args.kernels:  # the kernel tables' own times: the same stages with PDL off
         with _environment(GLM5_PDL="0"):
@@ -335,7 +351,9 @@ def run(args) -> dict:
         for j, side in enumerate(sides):
             _progress(len(sides) * i + j, total, f"{b} tokens: {side}")
             plain = unlaunched if side == "specialized" else args.kernels or None
-            results[side] = _measure(model, decode, side, ids, step, args.iters, plain)
+            results[side] = _measure(
+                model, decode, side, ids, step, args.iters, plain, installs.get(side)
+            )
             kernels = results[side].pop("kernels") or kernels
         floor_ms = floor_bytes(model, b, args.context) / bandwidth["floor"] * 1e3
         spec = results["specialized"]["ms"]
@@ -381,6 +399,8 @@ def run(args) -> dict:
         "policy": decode.policy.to_json(),
         "stages_built": sorted({type(op).__name__ for op, _ in decode.ops}),
         "library_kernels": kernels,
+        "stock_sources": {s: op.sources for s, op in installs.items() if hasattr(op, "sources")},
+        "vllm_files": installs["vllm"].vk.manifest if "vllm" in installs else None,
         "build_seconds": build_s,
         "bandwidth_tbps": {k: v / 1e12 for k, v in bandwidth.items()},
         "kernel_tables": "per side, each kernel of the step by its owner (the policy stage "

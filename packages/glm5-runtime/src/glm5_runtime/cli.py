@@ -27,9 +27,12 @@ import warnings
 
 from glm5_policy import FAMILIES, MAX_Q, MAX_TOKENS, PolicyError, parse_table
 
+from . import vllm_files
+
 # The names reference.config.geometry() takes (importing it here would import torch).
 GEOMETRIES = ("tiny", "flash", *(f"flash-tp{tp}-rank" for tp in (1, 2, 4, 8)))
-STOCK = ("reference", "library", "both")
+STOCKS = ("reference", "library", "vllm")
+BOTH = "reference,library"  # `--stock both`, the default
 BLOCK_SIZE = 64  # ReferenceModel's default paged-cache block
 _GEOMETRY = dict(
     choices=GEOMETRIES,
@@ -90,6 +93,25 @@ def _token_counts(text: str) -> str:
             f"expects each token count once, got {text!r} ({_listed(repeated)} repeated)"
         )
     return ",".join(map(str, counts))
+
+
+def _stocks(text: str) -> str:
+    """Comma-separated stocks (or `both`); kept as text (bench.run splits it)."""
+    names = (BOTH if text == "both" else text).split(",")
+    if not all(n in STOCKS for n in names) or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"expects comma-separated stocks from {', '.join(STOCKS)}, each once (or both: "
+            f"{BOTH}), got {text!r}"
+        )
+    return ",".join(names)
+
+
+def _vllm_folder(text: str) -> str:
+    """A folder of vLLM 0.33's kernel files (`benchmarks/vllm_files.py` makes one)."""
+    problems = vllm_files.problems(text)
+    if problems:
+        raise argparse.ArgumentTypeError("; ".join(problems))
+    return text
 
 
 def _listed(values: list[int]) -> str:
@@ -305,12 +327,18 @@ def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     b.add_argument("--iters", type=_count, default=10, help="CUDA-graph replays timed per step")
     b.add_argument(
         "--stock",
-        choices=STOCK,
+        type=_stocks,
         default="both",
-        help="the stock step(s) to time: the reference backbone's plain torch ops, the best "
-        "library kernels on this machine (cuBLAS, torch block-FP8 _scaled_mm, fla's KDA where "
-        "it imports), or both",
+        help="the stock step(s) to time, comma-separated: reference (the reference backbone's "
+        "plain torch ops), library (the best library kernels on this machine: cuBLAS, torch "
+        "block-FP8 _scaled_mm, fla's KDA where it imports), vllm (vLLM 0.33's own fused-MoE and "
+        f"KDA Triton kernels, from --vllm-ops); both: {BOTH}",
     )
+    b.add_argument(
+        "--vllm-ops", type=_vllm_folder, metavar="DIR",
+        help="with --stock vllm: a folder of vLLM 0.33's kernel files (benchmarks/vllm_files.py "
+        "copies them out of an installed vllm==0.33.0)",
+    )  # fmt: skip
     b.add_argument(
         "--policy", type=_policy, default=None, help="policy table JSON over the family default"
     )
@@ -362,6 +390,14 @@ def _problem(args) -> str | None:
             return f"--tokens {args.tokens}: {uneven} not multiples of --q {args.q}"
         if args.plot and not args.out:
             return "--plot: needs --out (the plot is drawn from the results file)"
+        vllm = "vllm" in args.stock.split(",")
+        if vllm and not args.vllm_ops:
+            return (
+                "--stock vllm: needs --vllm-ops DIR, a folder of vLLM 0.33's kernel files "
+                "(benchmarks/vllm_files.py copies them out of an installed vllm==0.33.0)"
+            )
+        if args.vllm_ops and not vllm:
+            return "--vllm-ops: only with --stock vllm (the folder holds that stock's kernels)"
     plots = args.command == "plot" or (args.command == "bench" and args.plot)
     if plots and not _installed("matplotlib"):
         return "plotting needs matplotlib: pip install matplotlib"

@@ -18,6 +18,7 @@ LINES = (
     ("library_ms", "library stock"),
     ("specialized_ms", "specialized"),
     ("floor_ms", "HBM floor"),
+    ("vllm_ms", "vLLM-kernel stock"),
 )
 
 
@@ -54,10 +55,15 @@ def table(result_paths: list[str]) -> str:
     for path in result_paths:
         with open(path) as f:
             results.append(json.load(f))
+    # The vLLM-kernel stock's columns where some file timed it.
+    vllm = any("vllm_ms" in row for r in results for row in r["rows"])
+    stocks = ["reference", "library", *(["vllm"] if vllm else [])]
+    short = {"reference": "ref", "library": "lib", "vllm": "vllm"}
     out = [
-        "| geometry | tokens | reference ms | library ms | specialized ms | floor ms "
-        "| vs reference | vs library | specialized × floor | kernels (ref / lib / spec) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| geometry | tokens | " + "".join(f"{s} ms | " for s in stocks) + "specialized ms "
+        "| floor ms | " + "".join(f"vs {s} | " for s in stocks) + "specialized × floor "
+        f"| kernels ({' / '.join(short[s] for s in stocks)} / spec) |",
+        "| --- | ---: | " + "---: | " * (2 * len(stocks) + 3) + "--- |",
     ]
 
     def cell(row: dict, key: str, digits: int) -> str:
@@ -67,14 +73,14 @@ def table(result_paths: list[str]) -> str:
         for row in r["rows"]:
             kernels = " / ".join(
                 str((row["nodes"].get(side) or {}).get("kernel", "–"))
-                for side in ("reference", "library", "specialized")
+                for side in (*stocks, "specialized")
             )
             out.append(
-                f"| {r['geometry']} | {row['tokens']} | {cell(row, 'reference_ms', 1)} "
-                f"| {cell(row, 'library_ms', 1)} | {row['specialized_ms']:.1f} "
-                f"| {row['floor_ms']:.2f} | {cell(row, 'speedup_vs_reference', 2)} "
-                f"| {cell(row, 'speedup_vs_library', 2)} | {row['specialized_to_floor']:.1f} "
-                f"| {kernels} |"
+                f"| {r['geometry']} | {row['tokens']} | "
+                + "".join(f"{cell(row, f'{s}_ms', 1)} | " for s in stocks)
+                + f"{row['specialized_ms']:.1f} | {row['floor_ms']:.2f} | "
+                + "".join(f"{cell(row, f'speedup_vs_{s}', 2)} | " for s in stocks)
+                + f"{row['specialized_to_floor']:.1f} | {kernels} |"
             )
     stages = [*STAGES, BETWEEN]
     out += ["", "| geometry | tokens | side | " + " | ".join(stages) + " | sum | graph |"]
