@@ -38,6 +38,7 @@ def test_kernels_take_the_innermost_range_around_their_launch_and_the_replays_ti
         _launch(1, 20), _launch(2, 60), _launch(3, 200), _launch(4, 155),
         _kernel("gemv", 1, 1000), _kernel("copy", 2, 1010), _kernel("gemv", 3, 1020),
         _kernel("hc_boundary_kernel", 4, 1015),
+        _launch(5, 30), _kernel("check", 5, 1005),  # eager only: a check skipped in capture
     ]  # fmt: skip
     # Two replays, each graph launch one correlation; the second runs a kernel more.
     replays = [
@@ -85,6 +86,8 @@ def test_short_names():
     assert short_name(mean) == "reduce_kernel[MeanOps]"
     assert short_name(mul) == "elementwise_kernel[MulFunctor]"
     assert short_name("hc_boundary_kernel") == "hc_boundary_kernel"
+    cute = "kernel_cutlass_kernel_glm5_kernelsmhccute_mhcCuteBoundary_object_at__tensorptrbf16_0"
+    assert short_name(cute) == "cute:CuteBoundary"
 
 
 @pytest.fixture(scope="module")

@@ -172,10 +172,11 @@ def assign(eager: list[dict], replays: list[dict], replay_count: int) -> list[di
                 rows[at[n]]["times"].append(k.get("dur", 0.0))
             else:
                 extra[k["name"]].append(k.get("dur", 0.0))
+    # An eager launch no replay ran (a check a stage skips while capturing) is not the step's.
     out = [
-        {"kernel": r["kernel"], "owner": r["owner"],
-         "us": statistics.median(r["times"]) if r["times"] else 0.0}
+        {"kernel": r["kernel"], "owner": r["owner"], "us": statistics.median(r["times"])}
         for r in rows
+        if r["times"]
     ]  # fmt: skip
     for name, times in extra.items():  # per replay: their sum over the replays / count
         launches = max(1, round(len(times) / replay_count))
@@ -204,13 +205,19 @@ def _replays(events: list[dict], count: int) -> list[list[dict]]:
 # The torch op a generic kernel runs, named in its template arguments; the wrappers around
 # it name nothing.
 _FUNCTOR = re.compile(r"(\w+?)(?:_kernel)?_cuda\b|(\w+(?:Functor|_functor|Ops))\b")
+# CuTe DSL kernels: kernel_cutlass_kernel_<module path><Class>_object_at_<arguments>.
+_CUTE = re.compile(r"kernel_cutlass_kernel_\w*?([A-Z]\w*?)_object_at_")
 _WRAPPERS = {"BinaryFunctor", "UnaryFunctor", "OpaqueType"}
 
 
 def short_name(kernel: str) -> str:
     """A kernel's name for the table: the function without namespaces, return type or
     template arguments, and the torch op it runs where its template names one
-    (`vectorized_elementwise_kernel[direct_copy]`, `reduce_kernel[MeanOps]`)."""
+    (`vectorized_elementwise_kernel[direct_copy]`, `reduce_kernel[MeanOps]`); a CuTe DSL
+    kernel by its class (`cute:CuteBoundary`)."""
+    cute = _CUTE.match(kernel)
+    if cute:
+        return f"cute:{cute[1]}"
     head = re.split(r"[<(]", kernel, maxsplit=1)[0].strip().split(" ")[-1]
     base = head.rsplit("::", 1)[-1] or kernel[:60]
     ops = [next(g for g in m.groups() if g) for m in _FUNCTOR.finditer(kernel[len(head) :])]

@@ -426,7 +426,11 @@ def _slots(index: Tensor, step: Placement) -> Tensor:
 
 
 def reduce(partials: list[Tensor]) -> Tensor:
-    """The TP all-reduce of simulated ranks (FP32 sum, like a one-shot reduce)."""
+    """The TP all-reduce of simulated ranks (FP32 sum, like a one-shot reduce). One rank's
+    partial is its own sum: returned as it is (the FP32 round trip of BF16 values is exact,
+    and cost a TP-4 rank's one-GPU step two copy kernels a sublayer, 0.3 ms of 5.2)."""
+    if len(partials) == 1:
+        return partials[0]
     out = partials[0].float()
     for p in partials[1:]:
         out = out + p.float()
