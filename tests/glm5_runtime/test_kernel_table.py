@@ -146,6 +146,6 @@ def test_table_prints_the_kernel_tables(tmp_path):
     path = tmp_path / "r.json"
     path.write_text(json.dumps(result))
     text = table([str(path)])
-    assert "91 kernels, 0.56 ms of their own time" in text
+    assert "1 token (q = 1), specialized**: 91 launches (kernels and copies), 0.56 ms" in text
     assert "| boundary | 91 | 560.0 | 150.00 | 35.0 | 16.0 |" in text
     assert "| boundary | `hc_boundary_kernel` | 91 | 560.0 | 6.15 |" in text

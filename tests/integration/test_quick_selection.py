@@ -40,10 +40,9 @@ def test_every_entry_names_one_collected_test_and_every_kernel_is_in():
     assert len(nodes) == len(QUICK)
     kernels = {p.relative_to(TESTS).as_posix() for p in (TESTS / "glm5_kernels").glob("*_gpu.py")}
     assert kernels <= {file for file, _, _ in QUICK}, kernels - {f for f, _, _ in QUICK}
-    # The whole step, with every stage on, at one q.
+    # The whole step, with every stage on, at one q (three of its capture sizes).
     assert [k for k in keys if k[0] == "glm5_runtime/test_decode_gpu.py"] == [
-        ("glm5_runtime/test_decode_gpu.py", "test_every_capture_size_with_draft_equals_stock",
-         ("4",))
-    ]  # fmt: skip
+        ("glm5_runtime/test_decode_gpu.py", "test_three_capture_sizes_with_draft_equal_stock", ())
+    ]
     # All of it GPU tests (their files' `pytestmark`): no CPU test that -m quick drags in.
     assert all(file.endswith("_gpu.py") for file, _, _ in QUICK)

@@ -107,11 +107,12 @@ def kernel_tables(results: list[dict], top: int = 25) -> str:
                 launches = sum(o["launches"] for o in t["owners"])
                 us = sum(o["us"] for o in t["owners"])
                 out += [
-                    f"**{r['geometry']}, {row['tokens']} tokens (q = {row['q']}), {side}**: "
-                    f"{launches} kernels, {us / 1e3:.2f} ms of their own time "
+                    f"**{r['geometry']}, {row['tokens']} token{'s' * (row['tokens'] > 1)} "
+                    f"(q = {row['q']}), {side}**: {launches} launches (kernels and copies), "
+                    f"{us / 1e3:.2f} ms of their own time "
                     f"(the graph {row[f'{side}_ms']:.2f} ms)",
                     "",
-                    "| owner | kernels | own µs | MB | floor µs | × floor |",
+                    "| owner | launches | own µs | MB | floor µs | × floor |",
                     "| --- | ---: | ---: | ---: | ---: | ---: |",
                 ]
                 for o in t["owners"]:
