@@ -191,7 +191,8 @@ def kda_cases(arch: int) -> int:
     plan's tiles, a head split over 8 CTAs to one, and the softplus gate."""
     from glm5_kernels.kda.triton_kda import kda_decode_kernel
 
-    types = {n: "*bf16" for n in ("qkv_ptr", "f_ptr", "b_ptr", "gate_ptr", "out_ptr", "conv_ptr")}
+    types = {n: "*bf16" for n in ("qkv_ptr", "f_ptr", "b_ptr", "gate_ptr", "out_ptr", "conv_ptr",
+                                  "fb_ptr", "gb_ptr")}  # fmt: skip
     types |= {n: "*fp32" for n in ("rec_ptr", "conv_w_ptr", "dt_bias_ptr", "a_log_ptr")}
     types |= {"norm_w_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32"}
     types |= {
@@ -201,13 +202,15 @@ def kda_cases(arch: int) -> int:
                                  "stride_cs", "stride_cc", "stride_rs", "H")}  # fmt: skip
     types |= {n: "fp32" for n in ("q_scale", "lower_bound", "eps")}
     n = 0
-    # (tokens, keep, safe gate, BV, warps): the plan's tiles, from 8 CTAs a head to one.
-    cases = ((1, False, True, 16, 2), (1, False, True, 128, 8), (2, True, True, 32, 2),
-             (8, True, True, 128, 4), (4, True, False, 64, 4))  # fmt: skip
-    for t, keep, lb, bv, warps in cases:
+    # (tokens, keep, safe gate, BV, warps, low-rank width): the plan's tiles, from 8 CTAs a
+    # head to one; f_b and g_b in the kernel (GLM's 128-wide f_a / g_a) at both ends.
+    cases = ((1, False, True, 16, 2, 0), (1, False, True, 128, 8, 0), (2, True, True, 32, 2, 0),
+             (8, True, True, 128, 4, 0), (4, True, False, 64, 4, 0), (1, False, True, 16, 2, 128),
+             (8, True, True, 128, 4, 128))  # fmt: skip
+    for t, keep, lb, bv, warps, rank in cases:
         constexprs = {"T": t, "TP": 1 << (t - 1).bit_length(), "K": 128, "V": 128, "BV": bv,
                       "W": 4, "NCP": 1 << (1 + t).bit_length(), "KEEP": keep, "HAS_LB": lb,
-                      "INTERPRETER": False, "PDL": True}  # fmt: skip
+                      "RF": rank, "RG": rank, "INTERPRETER": False, "PDL": True}  # fmt: skip
         ptx = _compile(kda_decode_kernel, types, constexprs, arch, num_warps=warps)
         # PDL, a split head's hand-off through an atomic, and no spills
         assert "griddepcontrol.wait" in ptx and ("atom" in ptx) == (bv < 128), (t, keep, lb, bv)

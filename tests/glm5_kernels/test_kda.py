@@ -1,8 +1,9 @@
 """The KDA decode kernel on CPU under the Triton interpreter against `kda_decode_ref`
 (itself equal to the reference backbone's layer): decodes and verifies over consecutive
 steps with random partial acceptance, requests in arbitrary state slots, strided q | k | v
-rows, both forget gates, NaN-poisoned outputs; the caches compared after every step, and
-every bad input in one error. The real shapes (128-wide heads) run on the GPU."""
+rows, both forget gates, the gates' low-rank up-projections in the kernel, NaN-poisoned
+outputs; the caches compared after every step, and every bad input in one error. The real
+shapes (128-wide heads) run on the GPU."""
 
 import os
 
@@ -16,6 +17,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 H, K, V, W, Q = 2, 16, 32, 4, 3
+RANK = 24  # f_a / g_a width: not a power of two, a multiple of the kernel's 8-column steps
 
 
 def _weights(gen, lower_bound):
@@ -41,17 +43,30 @@ def _inputs(gen, r, t, extra=5):
     )
 
 
+def _up(x, w):
+    """The low-rank halves' up-projection as the model's BF16 linear: FP32 sums, one rounding."""
+    return (x.float() @ w.float().T).bfloat16()
+
+
 @pytest.mark.parametrize(
-    "lower_bound, tile",
-    [(-5.0, (V // 2, 2)), (None, None), (-5.0, (V, 4))],
-    ids=["safe-gate", "softplus", "whole-head"],
+    "lower_bound, tile, low_rank",
+    [(-5.0, (V // 2, 2), False), (None, None, False), (-5.0, (V, 4), False), (-5.0, None, True)],
+    ids=["safe-gate", "softplus", "whole-head", "low-rank-gates"],
 )
-def test_consecutive_steps_equal_the_reference(lower_bound, tile):
+def test_consecutive_steps_equal_the_reference(lower_bound, tile, low_rank):
     """Each head's V split over two CTAs (the last one normalizes), the planned tiles
-    (split for decodes, whole for the verifies), a head in one CTA."""
+    (split for decodes, whole for the verifies), a head in one CTA; f_b and g_b in the
+    kernel (`low_rank`: the calls hand it f_a and g_a, the reference their BF16
+    up-projections)."""
     gen = torch.Generator().manual_seed(0 if lower_bound else 1)
     w = _weights(gen, lower_bound)
-    op = KdaDecode(**{k: v for k, v in w.items()}, max_tokens=Q)
+    gates = {}
+    if low_rank:
+        scale = RANK**-0.5
+        gates = {"f_b": (torch.randn(H * K, RANK, generator=gen) * scale).bfloat16(),
+                 "g_b": (torch.randn(H * V, RANK, generator=gen) * scale).bfloat16()}  # fmt: skip
+    op = KdaDecode(**w, max_tokens=Q, **gates)
+    assert op.low_rank == low_rank
     op.tile = tile
     assert op.plan(3, 1) == (tile or (16, 2)) and op.plan(3, 3) == (tile or (V, 4))
     slots, r = 9, 3
@@ -70,9 +85,16 @@ def test_consecutive_steps_equal_the_reference(lower_bound, tile):
         place = dict(conv_slots=owned[:, 0], conv_offset=current, read_slots=read,
                      write_slots=write, keep=verify and t > 1)  # fmt: skip
         x = _inputs(gen, r, t)
-        want = kda_decode_ref(*x, *caches["ref"], **{k: v for k, v in w.items()}, **place)
+        if low_rank:  # f_a and g_a as strided rows of one tensor, as the fused in_proj's
+            halves = torch.randn(r, t, 2 * RANK + 3, generator=gen).bfloat16()
+            f_a, g_a = halves[..., :RANK], halves[..., RANK + 3 :]
+            given = (x[0], f_a, x[2], g_a)
+            x = (x[0], _up(f_a, gates["f_b"]), x[2], _up(g_a, gates["g_b"]))
+        else:
+            given = x
+        want = kda_decode_ref(*x, *caches["ref"], **w, **place)
         poisoned = torch.full((r, t, H * V), float("nan")).bfloat16()
-        got = op(*x, *caches["kernel"], **place, out=poisoned)
+        got = op(*given, *caches["kernel"], **place, out=poisoned)
         assert not got.isnan().any()
         # BF16 outputs: one rounding (the sums' order differs) on top of the same math.
         torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)
@@ -107,6 +129,9 @@ def test_bad_input_names_every_problem():
              "write_slots": torch.zeros(1, Q + 1, dtype=torch.int64)}  # fmt: skip
     with pytest.raises(ValueError, match=r"outside 1\.\.3"):
         op(*big, conv, rec, **place)
+    with pytest.raises(ValueError) as e:
+        KdaDecode(**_weights(gen, -5.0), f_b=torch.zeros(H * K, 12).bfloat16())
+    assert "both or neither" in str(e.value) and "f_b: (32, 12)" in str(e.value)
     with pytest.raises(ValueError, match="K=12: a power of two"):
         KdaDecode(torch.zeros(2 * (2 * 12 + V), W), torch.zeros(2 * 12), torch.zeros(2),
                   torch.ones(V), lower_bound=-5.0, eps=1e-5)  # fmt: skip

@@ -16,11 +16,12 @@ from glm5_kernels.kda import kda_decode_ref
 # there), stock router + shared expert ops at 17-32. The fused mHC boundaries everywhere
 # but 17-20 tokens (the stock boundaries beside the stages there): the CuTe DSL kernel at
 # 1-8 and 21-64 tokens (where it builds: a CUDA GPU; the Triton kernel otherwise), the
-# Triton one at 9-16.
+# Triton one at 9-16. The fused KDA step with the gates' up-projections inside it at 1-2
+# tokens (fused_gates), after the stock f_b / g_b linears at 3-64.
 ALL_STAGES = {
     "moe": {"1-4": "per_route", "5-16": "grouped", "33-64": "grouped"},
     "boundary": {"1-8": "cute", "9-16": "triton", "21-64": "cute"},
-    "kda": {"1-64": "fused"},
+    "kda": {"1-2": "fused_gates", "3-64": "fused"},
     "dsa_attn": {"1-64": "sparse"},
     "dsa_indexer": {"1-64": "fused"},
     "dsa_kpool": {"1-64": "fused"},
@@ -84,6 +85,10 @@ class Shadow:
 
     def supports(self, m):
         return self.op.supports(m)
+
+    @property
+    def low_rank(self):  # KdaDecode's: the route hands it f_a and g_a
+        return getattr(self.op, "low_rank", False)
 
     def __call__(self, x, *args, **kw):
         if type(self.op).__name__ == "KdaDecode":
@@ -174,6 +179,11 @@ class Shadow:
         rows and the recurrent state each wrote (the conv state moves raw inputs: exact)."""
         op, conv_ref, rec_ref = self.op, conv.clone(), rec.clone()
         y = op(qkv, f, b, gate, conv, rec, **place)
+        if op.low_rank:  # f_a and g_a: the reference takes the stock linears' up-projections
+            f, gate = (
+                torch.nn.functional.linear(f, op.f_b),
+                torch.nn.functional.linear(gate, op.g_b),
+            )
         ref = kda_decode_ref(qkv, f, b, gate, conv_ref, rec_ref, op.conv_weight, op.dt_bias,
                              op.A_log, op.norm_weight, **place, lower_bound=op.lower_bound,
                              eps=op.eps)  # fmt: skip

@@ -34,8 +34,9 @@ STAGES: MappingProxyType[str, frozenset[str]] = MappingProxyType(
         "boundary": frozenset({"triton", "cute"}),
         # Layers 0-2's dense SwiGLU MLP as FP8 block-scaled GEMVs.
         "dense_mlp": frozenset({"gemv"}),
-        # KDA conv + gate + recurrence + gated norm in one kernel.
-        "kda": frozenset({"fused"}),
+        # KDA conv + gate + recurrence + gated norm in one kernel; `fused_gates`: with the
+        # forget and output gates' low-rank up-projections (f_b, g_b) inside it too.
+        "kda": frozenset({"fused", "fused_gates"}),
         # KDA input projections as one skinny GEMM.
         "kda_proj": frozenset({"gemm"}),
         # MLA / indexer projections routed to split-K skinny GEMMs.

@@ -96,16 +96,18 @@ class LayerStages:
         self._build("dense_mlp", self._mlps("dense", "mlp", DenseMlp))
         # After router / shared_expert: where it serves a token count, it is the whole layer.
         self._build("moe", self._moe)
-        self._build("kda", self._kda, choice="fused")
+        self._build("kda", self._kda, choice=("fused", "fused_gates"))
         self._build("dsa_attn", self._dsa_attn, choice="sparse")
         self._build("dsa_kpool", self._dsa_kpool, choice="fused")
         self._build("dsa_indexer", self._dsa_indexer, choice="fused")
 
     def _build(self, stage: str, build: Callable[[list[int]], None], choice=None) -> None:
         """Build one stage for the token counts the policy gives it (`choice`: only those
-        that pick it); on failure, one warning and the stage's ops stay stock."""
+        that pick it, or one of a tuple); on failure, one warning and the stage's ops stay
+        stock."""
         picked = [(b, self.policy(stage, b)) for b in self.batches]
-        tokens = [b for b, c in picked if (c == choice if choice else c)]
+        chosen = (choice,) if isinstance(choice, str) else choice
+        tokens = [b for b, c in picked if (c in chosen if chosen else c)]
         if not tokens:
             return
         routes, ops = {b: list(r) for b, r in self.routes.items()}, list(self.ops)
@@ -209,25 +211,37 @@ class LayerStages:
 
     def _kda(self, tokens: list[int]) -> None:
         """Each KDA layer's conv -> gates -> delta rule -> gated norm as one `KdaDecode`
-        launch, between the backbone's projections and o_proj (route `self_attn.kda`)."""
+        launch, between the backbone's projections and o_proj (route `self_attn.kda`);
+        `fused_gates`: the gates' up-projections f_b and g_b inside it too (one op a layer
+        for each choice the token counts take)."""
         b = self.backbone
         if b.kda is None:
             raise ValueError("the backbone's KDA layers do not take the fused stage (Backbone.kda)")
+        by_choice: dict[str, list[int]] = {}
+        for m in tokens:
+            by_choice.setdefault(self.policy("kda", m), []).append(m)
+        if "fused_gates" in by_choice and not b.kda.low_rank_gates:
+            raise ValueError("fused_gates: the backbone's KDA route hands the stage the gates' "
+                             "up-projections, not f_a / g_a (Kda.low_rank_gates)")  # fmt: skip
         for layer in (x for x in self.layers if x.attention == "kda"):
             for shard in b.shards:
                 p = f"layers.{layer.index}.self_attn"
                 names = [f"{p}.conv1d.weight", f"{p}.forget_gate.dt_bias",
                          f"{p}.forget_gate.A_log", f"{p}.o_norm.weight"]  # fmt: skip
+                if "fused_gates" in by_choice:
+                    names += [f"{p}.forget_gate.f_b_proj.weight", f"{p}.g_b_proj.weight"]
                 w = [b.weight(shard, n) for n in names]
                 missing = [n for n, t in zip(names, w, strict=True) if t is None]
                 if missing:
                     raise ValueError(f"no {', '.join(missing)}")
-                conv, dt_bias, a_log, norm = w
-                op = KdaDecode(
-                    conv.reshape(conv.shape[0], -1), dt_bias, a_log.reshape(-1), norm,
-                    lower_bound=b.kda.lower_bound, eps=b.kda.eps,
-                )  # fmt: skip
-                self._add(op, tokens, shard, f"{p}.kda")
+                conv, dt_bias, a_log, norm = w[:4]
+                for choice, counts in by_choice.items():
+                    gates = {"f_b": w[4], "g_b": w[5]} if choice == "fused_gates" else {}
+                    op = KdaDecode(
+                        conv.reshape(conv.shape[0], -1), dt_bias, a_log.reshape(-1), norm,
+                        lower_bound=b.kda.lower_bound, eps=b.kda.eps, **gates,
+                    )  # fmt: skip
+                    self._add(op, counts, shard, f"{p}.kda")
 
     def _dsa_attn(self, tokens: list[int]) -> None:
         """Each MLA layer's attention over the indexer's selection and its value-up as one

@@ -257,10 +257,12 @@ def owner_bytes(model: ReferenceModel, tokens: int, context: int, decode=None) -
     by their expected hits, no embedding table) and, for the attention stages, the caches
     they read and write. Without `decode`, every owner is a stock one."""
     g = model.g
-    routes, boundary, head = {}, False, False
+    routes, boundary, head, holds = {}, False, False, dict(_HOLDS)
     if decode is not None:
-        routes = {n: decode.stage_of.get(id(op), "unnamed")
-                  for _, n, op in decode.routes.get(tokens, [])}  # fmt: skip
+        routed = decode.routes.get(tokens, [])
+        routes = {n: decode.stage_of.get(id(op), "unnamed") for _, n, op in routed}
+        if any(getattr(op, "low_rank", False) for _, _, op in routed):  # kda: fused_gates
+            holds[".kda"] += ("forget_gate.f_b_proj.", "g_b_proj.")
         boundary = decode.mhc is not None and tokens in decode.mhc_tokens
         head = tokens in decode.head
     attention = {i: "mla" for i in g.mla_layers} | {i: "kda" for i in g.kda_layers}
@@ -279,7 +281,7 @@ def owner_bytes(model: ReferenceModel, tokens: int, context: int, decode=None) -
         for r, stage in routes.items():
             if base == r or name.startswith(r + "."):
                 return stage
-            for suffix, held in _HOLDS.items():
+            for suffix, held in holds.items():
                 layer = r.removesuffix(suffix)
                 if r.endswith(suffix) and name.startswith(tuple(f"{layer}.{h}" for h in held)):
                     return stage

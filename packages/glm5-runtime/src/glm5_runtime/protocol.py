@@ -57,10 +57,13 @@ class Routing:
 @dataclass(frozen=True)
 class Kda:
     """What the fused KDA stage needs besides weights: the forget gate's lower bound (None:
-    the softplus gate) and the output gated RMSNorm's eps."""
+    the softplus gate) and the output gated RMSNorm's eps; `low_rank_gates`: the route
+    `self_attn.kda` hands a stage op whose `low_rank` is set the gates' low-rank halves (f_a,
+    g_a) instead of their up-projections (the `kda` stage's `fused_gates` choice)."""
 
     lower_bound: float | None
     eps: float
+    low_rank_gates: bool = False
 
 
 @dataclass(frozen=True)

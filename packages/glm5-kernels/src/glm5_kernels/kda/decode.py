@@ -1,7 +1,8 @@
 """A KDA layer's decode / verify step as one kernel: `KdaDecode`.
 
 From the projections' outputs (q | k | v rows, the forget gate's f_b output, the beta
-logits, the output gate's g_b output) to the gated-RMSNormed rows o_proj reads, with the
+logits, the output gate's g_b output — or, built with f_b and g_b, their low-rank halves
+f_a and g_a, projected in the kernel) to the gated-RMSNormed rows o_proj reads, with the
 BF16 conv state and the FP32 recurrent state updated in place in vLLM 0.33's layouts — the
 same contract as `kda_decode_ref`, one launch (`triton_kda.kda_decode_kernel`, a CTA per
 request and head).
@@ -21,7 +22,8 @@ class KdaDecode:
     """One KDA layer's weights: conv_weight [3C', W] (C' = H*K; q | k | v channels), dt_bias
     [H*K], A_log [H], the output norm's weight [V]; `lower_bound` of the forget gate (None:
     -exp(A_log) * softplus), the output norm's `eps`; steps of up to `max_tokens` tokens per
-    request."""
+    request. With `f_b` [H*K, RF] and `g_b` [H*V, RG] (BF16, the gates' low-rank
+    up-projections) a call's f and gate are the rows of f_a and g_a (`low_rank`)."""
 
     def __init__(
         self,
@@ -33,6 +35,8 @@ class KdaDecode:
         lower_bound: float | None,
         eps: float,
         max_tokens: int = 8,
+        f_b: Tensor | None = None,
+        g_b: Tensor | None = None,
     ):
         h = A_log.numel()
         k = dt_bias.numel() // max(h, 1)
@@ -47,11 +51,24 @@ class KdaDecode:
                 problems.append(f"{name}={n}: a power of two >= 16 expected")
         if dt_bias.numel() != h * k:
             problems.append(f"dt_bias: {dt_bias.numel()} values, expected H*K = {h * k}")
+        if (f_b is None) != (g_b is None):
+            problems.append("f_b and g_b: both or neither (the low-rank gates)")
+        for name, w, rows in (("f_b", f_b, h * k), ("g_b", g_b, h * v)):
+            if w is not None and (w.dim() != 2 or w.shape[0] != rows or w.shape[1] % 8
+                                  or w.dtype != torch.bfloat16):  # fmt: skip
+                problems.append(f"{name}: {tuple(w.shape)} {w.dtype}, expected [{rows}, a "
+                                "multiple of 8] bfloat16")  # fmt: skip
         if problems:
             raise ValueError("KdaDecode: " + "; ".join(problems))
         self.conv_weight = conv_weight.contiguous()
         self.dt_bias, self.A_log = dt_bias.contiguous(), A_log.reshape(-1).contiguous()
         self.norm_weight = norm_weight.contiguous()
+        self.f_b = None if f_b is None else f_b.contiguous()
+        self.g_b = None if g_b is None else g_b.contiguous()
+        self.low_rank = f_b is not None
+        # The widths of a call's f and gate rows.
+        self.f_width = h * k if f_b is None else f_b.shape[1]
+        self.gate_width = h * v if g_b is None else g_b.shape[1]
         self.heads, self.k, self.v, self.width = h, k, v, conv_weight.shape[1]
         self.lower_bound, self.eps, self.max_tokens = lower_bound, eps, max_tokens
         self._device = conv_weight.device
@@ -101,7 +118,8 @@ class KdaDecode:
         steps = {(t, self.plan(r, t)) for t in range(1, self.max_tokens + 1)
                  for r in range(1, most // t + 1)}  # fmt: skip
         for t, self.tile in sorted(steps):
-            rows = [torch.zeros(1, t, n, dtype=bf16, device=dev) for n in (c, h * k, h, h * v)]
+            widths = (c, self.f_width, h, self.gate_width)
+            rows = [torch.zeros(1, t, n, dtype=bf16, device=dev) for n in widths]
             conv = torch.zeros(2, w - 2 + t, c, dtype=bf16, device=dev)
             rec = torch.zeros(2, h, v, k, device=dev)
             one = torch.ones(1, dtype=torch.int64, device=dev)
@@ -141,10 +159,11 @@ class KdaDecode:
         keep: bool,
         out: Tensor | None = None,
     ) -> Tensor:
-        """qkv [R, T, >= 3C'] (q | k | v first; rows may be strided), f [R, T, H*K], b [R, T,
-        H], gate [R, T, H*V]; conv [slots, W-2+q, 3C'] BF16, recurrent [slots, H, V, K] FP32
-        (in place); conv_slots / conv_offset / read_slots [R], write_slots [R, T] int32 or
-        int64 (-1: not stored); `keep`: every token's state (a verify). -> [R, T, H*V]."""
+        """qkv [R, T, >= 3C'] (q | k | v first; rows may be strided), f [R, T, H*K] (f_a
+        [R, T, RF] where `low_rank`), b [R, T, H], gate [R, T, H*V] (g_a [R, T, RG]); conv
+        [slots, W-2+q, 3C'] BF16, recurrent [slots, H, V, K] FP32 (in place); conv_slots /
+        conv_offset / read_slots [R], write_slots [R, T] int32 or int64 (-1: not stored);
+        `keep`: every token's state (a verify). -> [R, T, H*V]."""
         r, t = qkv.shape[0], qkv.shape[1]
         self._check(qkv, f, b, gate, conv, recurrent, conv_slots, conv_offset, read_slots,
                     write_slots, out)  # fmt: skip
@@ -164,7 +183,8 @@ class KdaDecode:
         lb = self.lower_bound
         self._kernel[(r, h, v // bv)](
             qkv, f, b, gate, out, conv, recurrent,
-            self.conv_weight, self.dt_bias, self.A_log, self.norm_weight, *idx,
+            self.conv_weight, self.dt_bias, self.A_log, self.norm_weight,
+            f if self.f_b is None else self.f_b, gate if self.g_b is None else self.g_b, *idx,
             self._part, self._count,
             *(_row_stride(x) for x in (qkv, f, b, gate, out)),
             conv.stride(0), conv.stride(1), recurrent.stride(0),
@@ -172,6 +192,7 @@ class KdaDecode:
             T=t, TP=1 << (t - 1).bit_length(), K=k, V=v, BV=bv, W=self.width,
             NCP=1 << (self.width - 3 + t).bit_length(),  # >= W-2+T
             KEEP=keep, HAS_LB=lb is not None,
+            RF=self.f_width if self.low_rank else 0, RG=self.gate_width if self.low_rank else 0,
             INTERPRETER=self._interp, PDL=self._pdl, num_warps=warps, launch_pdl=self._pdl,
         )  # fmt: skip
         return out
@@ -195,9 +216,9 @@ class KdaDecode:
                 problems.append(f"{name}: {got}, expected [{r}, {t}, {width}] bfloat16 rows")
 
         rows("qkv", qkv, 2 * h * k + h * v)
-        rows("f", f, h * k)
+        rows("f_a" if self.low_rank else "f", f, self.f_width)
         rows("b", b, h)
-        rows("gate", gate, h * v)
+        rows("g_a" if self.low_rank else "gate", gate, self.gate_width)
         if out is not None:
             rows("out", out, h * v)
         c = 2 * h * k + h * v

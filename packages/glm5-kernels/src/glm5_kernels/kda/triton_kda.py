@@ -23,6 +23,11 @@ head, in place. The conv state: a decode overwrites its window, a verify stores 
 newest inputs from column 0 (accepting n resumes at column n - 1); each CTA stores its v
 channels, the last one the q / k channels every slice read. The inputs are the projections'
 outputs read as strided rows (vLLM's fused q | k | v | ... rows need no copy).
+
+With RF / RG > 0 the forget gate's and the output gate's rows are their low-rank halves
+(f_a, g_a: RF, RG wide) and the CTA projects its head's columns itself (f_b, g_b: FP32 sums
+of exact products, rounded to BF16 as the model's linear is): two launches fewer a layer,
+and each CTA reads only its head's K (V) rows of f_b (g_b).
 """
 
 import triton
@@ -56,6 +61,30 @@ def _conv(conv_row_ptr, qkv_ptr, w_ptr, tt, T, c, offset, stride_cc, stride_qkv,
 
 
 @triton.jit
+def _up(x_ptr, stride_x, w_ptr, rows, live, cols, R: tl.constexpr, INTERPRETER: tl.constexpr):
+    """A low-rank projection's second half: rows of x [., R] times w[cols, :R]^T (w [N, R]
+    row-major), [len(rows), len(cols)] FP32 sums of exact products rounded to BF16."""
+    acc = tl.zeros([rows.shape[0], cols.shape[0]], tl.float32)
+    for j in tl.static_range(0, R, 8):  # 8 columns at a time: a small [rows, cols, 8] tile
+        jj = j + tl.arange(0, 8)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + jj[None, :], mask=live[:, None],
+                    other=0.0).to(tl.float32)  # fmt: skip
+        w = tl.load(w_ptr + cols[:, None] * R + jj[None, :]).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    return round_bf16(acc, INTERPRETER)
+
+
+@triton.jit
+def _gate(gate_ptr, gb_ptr, rows, live, cols, stride_g, RG: tl.constexpr,
+          INTERPRETER: tl.constexpr):  # fmt: skip
+    """The output gate's columns `cols` of the rows: loaded, or projected from g_a (RG > 0)."""
+    if RG > 0:
+        return _up(gate_ptr, stride_g, gb_ptr, rows, live, cols, RG, INTERPRETER)
+    return tl.load(gate_ptr + rows[:, None] * stride_g + cols[None, :], mask=live[:, None],
+                   other=0.0).to(tl.float32)  # fmt: skip
+
+
+@triton.jit
 def _row(x, tt, t):
     """Row t of a [TP, N] register tile."""
     return tl.sum(tl.where(tt[:, None] == t, x, 0.0), axis=0)
@@ -73,13 +102,14 @@ def kda_decode_kernel(
     qkv_ptr, f_ptr, b_ptr, gate_ptr, out_ptr,  # token rows r * T + t
     conv_ptr, rec_ptr,  # caches, updated in place
     conv_w_ptr, dt_bias_ptr, a_log_ptr, norm_w_ptr,
+    fb_ptr, gb_ptr,  # f_b [H*K, RF], g_b [H*V, RG] where RF / RG > 0
     conv_slot_ptr, conv_off_ptr, read_slot_ptr, write_slot_ptr,
     part_ptr, count_ptr,  # [R*T, H, NV] FP32 sums of squares; [R*H] int32 zeros
     stride_qkv, stride_f, stride_b, stride_g, stride_out, stride_cs, stride_cc, stride_rs,
     H, q_scale, lower_bound, eps,
     T: tl.constexpr, TP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     W: tl.constexpr, NCP: tl.constexpr, KEEP: tl.constexpr, HAS_LB: tl.constexpr,
-    INTERPRETER: tl.constexpr, PDL: tl.constexpr,
+    RF: tl.constexpr, RG: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     NV: tl.constexpr = V // BV
     r, h, jv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -123,8 +153,12 @@ def kda_decode_kernel(
     k = k / tl.sqrt_rn(tl.sum(k * k, axis=1) + 1e-6)[:, None]
     rows = row0 + tt
     live = tt < T
-    f = tl.load(f_ptr + rows[:, None] * stride_f + h * K + kk[None, :], mask=live[:, None],
-                other=0.0).to(tl.float32) + dt[None, :]  # fmt: skip
+    if RF > 0:  # f_a rows: this head's columns of f_b here
+        f = _up(f_ptr, stride_f, fb_ptr, rows, live, h * K + kk, RF, INTERPRETER)
+    else:
+        f = tl.load(f_ptr + rows[:, None] * stride_f + h * K + kk[None, :], mask=live[:, None],
+                    other=0.0).to(tl.float32)  # fmt: skip
+    f = f + dt[None, :]
     if HAS_LB:  # the safe gate: each step decays by at most exp(lower_bound)
         decay = tl.exp(lower_bound * torch_sigmoid(a * f, INTERPRETER))
     else:  # -a * softplus(f), linear above 20 as torch's
@@ -152,8 +186,7 @@ def kda_decode_kernel(
     at = conv_row + dst[:, None] * stride_cc
     keep_cols = cols[:, None] < n_cols
     if NV == 1:  # the whole head here: the norm from registers, no hand-off
-        gate = tl.load(gate_ptr + rows[:, None] * stride_g + h * V + vv[None, :],
-                       mask=live[:, None], other=0.0).to(tl.float32)  # fmt: skip
+        gate = _gate(gate_ptr, gb_ptr, rows, live, h * V + vv, stride_g, RG, INTERPRETER)
         norm_w = tl.load(norm_w_ptr + vv).to(tl.float32)
         rms = tl.sqrt_rn(tl.sum(o_all * o_all, axis=1) / V + eps)
         y = norm_w[None, :] * (o_all / rms[:, None]) * torch_sigmoid(gate, INTERPRETER)
@@ -164,14 +197,14 @@ def kda_decode_kernel(
         tl.store(at + cv[None, :], new_v, mask=keep_cols & (cv[None, :] >= 0))
     else:
         _hand_off(o_all, out_at, vv, live, rows, h, jv, r, at, keep_cols, cq, ck, cv, new_q,
-                  new_k, new_v, part_ptr, count_ptr, gate_ptr, norm_w_ptr, stride_g, H, eps,
-                  TP, V, NV, INTERPRETER)  # fmt: skip
+                  new_k, new_v, part_ptr, count_ptr, gate_ptr, gb_ptr, norm_w_ptr, stride_g, H,
+                  eps, TP, V, NV, RG, INTERPRETER)  # fmt: skip
 
 
 @triton.jit
 def _hand_off(o_all, out_at, vv, live, rows, h, jv, r, at, keep_cols, cq, ck, cv, new_q, new_k,
-              new_v, part_ptr, count_ptr, gate_ptr, norm_w_ptr, stride_g, H, eps,
-              TP: tl.constexpr, V: tl.constexpr, NV: tl.constexpr,
+              new_v, part_ptr, count_ptr, gate_ptr, gb_ptr, norm_w_ptr, stride_g, H, eps,
+              TP: tl.constexpr, V: tl.constexpr, NV: tl.constexpr, RG: tl.constexpr,
               INTERPRETER: tl.constexpr):  # fmt: skip
     """A head split over NV CTAs: o (BF16) and the slice's sum of squares out, this CTA's v
     conv channels (only it reads them); the head's last CTA to arrive applies the gated
@@ -194,8 +227,7 @@ def _hand_off(o_all, out_at, vv, live, rows, h, jv, r, at, keep_cols, cq, ck, cv
         va = tl.arange(0, V)
         o_full = tl.load(out_at + va[None, :], mask=live[:, None], other=0.0,
                          cache_modifier=".cg").to(tl.float32)  # fmt: skip
-        gate = tl.load(gate_ptr + rows[:, None] * stride_g + h * V + va[None, :],
-                       mask=live[:, None], other=0.0).to(tl.float32)  # fmt: skip
+        gate = _gate(gate_ptr, gb_ptr, rows, live, h * V + va, stride_g, RG, INTERPRETER)
         norm_w = tl.load(norm_w_ptr + va).to(tl.float32)
         y = norm_w[None, :] * (o_full / tl.sqrt_rn(ss / V + eps)[:, None])
         y = y * torch_sigmoid(gate, INTERPRETER)

@@ -53,7 +53,8 @@ class ReferenceBackbone:
         self.vocab_size = g.vocab_size
         self.ue8m0 = model.ranks[0].ue8m0
         self.routing = Routing(g.num_experts_per_tok, g.routed_scaling_factor)
-        self.kda = Kda(g.linear_lower_bound, g.rms_norm_eps)  # RankStages.kda routes `.kda`
+        # RankStages.kda routes `.kda` (f_a and g_a to an op projecting the gates itself).
+        self.kda = Kda(g.linear_lower_bound, g.rms_norm_eps, low_rank_gates=True)
         scale = (g.qk_nope_head_dim + g.qk_rope_head_dim) ** -0.5
         self.mla = Mla(g.qk_nope_head_dim, g.v_head_dim, scale)  # RankStages.mla: `.dsa_attn`
         pools = -(-model.max_context // model.block_size) * model.block_size // g.index_kpool

@@ -163,8 +163,6 @@ class RankStages:
         width = q.shape[-1] + k.shape[-1] + v.shape[-1]
         # q | k | v: the fused output's first columns (a view), or the parts concatenated.
         mixed = whole[..., :width] if whole is not None else torch.cat([q, k, v], dim=-1)
-        f = self.linear(f_a, f"{a}.forget_gate.f_b_proj.weight")
-        gate_o = self.linear(g_a, f"{a}.g_b_proj.weight")
         conv, rec = self.c.conv[layer], self.c.recurrent[layer]
         place = dict(
             conv_slots=step.conv_slots, conv_offset=step.conv_offset,
@@ -172,7 +170,14 @@ class RankStages:
             keep=step.keep_states and T > 1,
         )  # fmt: skip
         fused = self.routes.get(f"{a}.kda")  # the fused KDA stage: conv to gated norm
-        if fused is not None and x.dtype == torch.bfloat16 and fused.supports(T):
+        if fused is None or x.dtype != torch.bfloat16 or not fused.supports(T):
+            fused = None
+        if fused is not None and fused.low_rank:  # f_b and g_b inside its kernel
+            o = fused(mixed, f_a, b, g_a, conv, rec, **place)
+            return self.linear(o, f"{a}.o_proj.weight")
+        f = self.linear(f_a, f"{a}.forget_gate.f_b_proj.weight")
+        gate_o = self.linear(g_a, f"{a}.g_b_proj.weight")
+        if fused is not None:
             o = fused(mixed, f, b, gate_o, conv, rec, **place)
         else:
             o = kda_decode_ref(
