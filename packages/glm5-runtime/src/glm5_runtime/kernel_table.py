@@ -4,8 +4,8 @@ launched it, its own time, and per stage the bytes it must move and its floor.
 Who launched a kernel is read from an eager run of the step under the torch profiler: every
 stage op runs inside a `record_function` range named for its policy stage, every reference
 stage method (`STAGES`) inside one named `stock <method>`, and a kernel belongs to the
-innermost range around its launch (`stock between` outside them all: the mHC pre / post,
-norms and sums the boundary stage does not serve, the glue between stages). Its own time is
+innermost range around its launch (`stock mhc, norms, reduce` outside them all: the mHC
+pre / post, norms and sums no boundary stage serves, the glue between stages). Its own time is
 read from replays of the step's CUDA graph captured with PDL off (a kernel launched early
 would count its wait for the one before): the k-th kernel of a name in a replay is the k-th
 of that name in the eager run, median over the replays.
