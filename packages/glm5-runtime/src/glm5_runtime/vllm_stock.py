@@ -85,8 +85,11 @@ def _platform() -> SimpleNamespace:
 
 
 def _refused(what: str):
+    """A function the loaded files import but only call on paths this stock never takes
+    (other weight formats, TMA scales): called anyway, it says so instead of guessing."""
+
     def call(*args, **kwargs):
-        raise NotImplementedError(f"{what}: not a path of the vLLM stock")
+        raise RuntimeError(f"{what}: not a path of the vLLM stock (block-FP8 TP experts only)")
 
     return call
 
@@ -98,7 +101,7 @@ def _align(topk_ids, num_experts, block_size, sorted_ids, expert_ids, num_tokens
     numel, experts in order; expert_ids the expert of each block (-1 past the last, which
     the kernel skips: it stops at num_tokens_post_pad); num_tokens_post_pad the padded total."""
     if expert_map is not None or scatter_idx is not None:
-        raise NotImplementedError("moe_align_block_size: expert parallelism is not a TP step's")
+        raise ValueError("moe_align_block_size: expert parallelism is not a TP step's")
     flat = topk_ids.reshape(-1).long()
     n = flat.numel()
     counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
