@@ -12,7 +12,15 @@ from torch.profiler import ProfilerActivity, profile
 from glm5_policy import DecodeConfig
 from glm5_runtime.bench import _fill_caches, _step, _token_ids, floor_bytes
 from glm5_runtime.decode import SpecializedDecode
-from glm5_runtime.kernel_table import OUTSIDE, UNATTRIBUTED, assign, owner_bytes, owners, short_name
+from glm5_runtime.kernel_table import (
+    OUTSIDE,
+    UNATTRIBUTED,
+    assign,
+    owner_bytes,
+    owner_rows,
+    owners,
+    short_name,
+)
 from glm5_runtime.reference import ReferenceModel, geometry
 from glm5_runtime.reference.backbone import ReferenceBackbone
 from glm5_runtime.results import table
@@ -149,3 +157,15 @@ def test_table_prints_the_kernel_tables(tmp_path):
     assert "1 token (q = 1), specialized**: 91 launches (kernels and copies), 0.56 ms" in text
     assert "| boundary | 91 | 560.0 | 150.00 | 35.0 | 16.0 |" in text
     assert "| boundary | `hc_boundary_kernel` | 91 | 560.0 | 6.15 |" in text
+
+
+def test_owner_rows_sum_each_owners_kernels_and_keep_byte_only_owners():
+    table = [{"owner": "moe", "kernel": "a", "launches": 2, "us": 30.0},
+             {"owner": "moe", "kernel": "b", "launches": 1, "us": 10.0},
+             {"owner": OUTSIDE, "kernel": "copy", "launches": 4, "us": 8.0}]  # fmt: skip
+    rows = owner_rows(table, {"moe": 4e6, "stock head": 2e6}, bandwidth=4e12)
+    assert [(r["owner"], r["launches"], r["us"]) for r in rows] == [
+        ("moe", 3, 40.0), (OUTSIDE, 4, 8.0), ("stock head", 0, 0.0)
+    ]  # fmt: skip
+    assert rows[0]["floor_us"] == 1.0 and rows[0]["to_floor"] == 40.0
+    assert rows[1]["to_floor"] is None  # no bytes: no floor to be a multiple of

@@ -35,7 +35,7 @@ from glm5_kernels.timing import hbm_bandwidth, replay_times, warm_up
 from glm5_policy import DecodeConfig
 
 from .decode import SpecializedDecode
-from .kernel_table import kernel_table, owner_bytes
+from .kernel_table import kernel_table, owner_bytes, owner_rows
 from .library import LibraryStock
 from .reference import ReferenceModel, geometry
 from .reference.backbone import ReferenceBackbone
@@ -246,7 +246,7 @@ def _measure(model, decode, side: str, ids, step, iters: int, unlaunched=None, s
     equivalence is tests/glm5_runtime/test_decode*.py's job."""
     forward = _forward(model, decode, side, ids, step)
     library = nullcontext() if stock is None else stock
-    kernels = None
+    table = None
     with torch.no_grad(), library:
         graph = _captured(forward)
         nodes = graph_nodes(graph)
@@ -270,7 +270,7 @@ def _measure(model, decode, side: str, ids, step, iters: int, unlaunched=None, s
             forward = _forward(model, unlaunched, side, ids, step)
             graph = _captured(forward)
             warm_up(graph)
-            kernels = kernel_table(model, forward, graph, iters, unlaunched)
+            table = kernel_table(model, forward, graph, iters, unlaunched)
             del graph
     stages = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
     marked = statistics.median(sum(s.values()) for s in splits)
@@ -279,26 +279,9 @@ def _measure(model, decode, side: str, ids, step, iters: int, unlaunched=None, s
         "nodes": nodes,
         "stages_ms": stages,
         "marked_ms": marked,
-        "kernel_table": kernels,
+        "kernel_table": table,
         "kernels": getattr(library, "kernels", None),
     }
-
-
-def _owners(table: list[dict], bytes_: dict[str, float], bandwidth: float) -> list[dict]:
-    """Each owner of a step's kernels (and of bytes): launches, own µs, bytes, floor µs and
-    the ratio, most time first."""
-    launches, us = Counter(), Counter()
-    for k in table:
-        launches[k["owner"]] += k["launches"]
-        us[k["owner"]] += k["us"]
-    rows = []
-    for owner in sorted(set(us) | set(bytes_), key=lambda o: -us[o]):
-        b = bytes_.get(owner, 0.0)
-        floor = b / bandwidth * 1e6
-        ratio = us[owner] / floor if floor else None
-        rows.append({"owner": owner, "launches": launches[owner], "us": us[owner], "bytes": b,
-                     "floor_us": floor, "to_floor": ratio})  # fmt: skip
-    return rows
 
 
 def _kernels(row: dict, side: str) -> str:
@@ -342,7 +325,7 @@ def run(args) -> dict:
             unlaunched = SpecializedDecode(ReferenceBackbone(model), config)
             unlaunched.prepare()
     rows, total = [], len(sides) * len(tokens)
-    kernels = None
+    library_kernels = None  # which library kernels the library stock ran
     for i, b in enumerate(tokens):
         requests, step = _step(model, b, q, args.context)
         ids = _token_ids(model, len(requests), q)
@@ -354,7 +337,7 @@ def run(args) -> dict:
             results[side] = _measure(
                 model, decode, side, ids, step, args.iters, plain, installs.get(side)
             )
-            kernels = results[side].pop("kernels") or kernels
+            library_kernels = results[side].pop("kernels") or library_kernels
         floor_ms = floor_bytes(model, b, args.context) / bandwidth["floor"] * 1e3
         spec = results["specialized"]["ms"]
         row = {"tokens": b, "q": q, "floor_ms": floor_ms}
@@ -370,7 +353,7 @@ def run(args) -> dict:
             held = owner_bytes(model, b, args.context, decode)
             row["kernel_tables"] = {
                 "specialized": {
-                    "owners": _owners(table_, held, bandwidth["floor"]),
+                    "owners": owner_rows(table_, held, bandwidth["floor"]),
                     "kernels": table_,
                 }
             }
@@ -396,7 +379,7 @@ def run(args) -> dict:
         "context": args.context,
         "policy": decode.policy.to_json(),
         "stages_built": sorted({type(op).__name__ for op, _ in decode.ops}),
-        "library_kernels": kernels,
+        "library_kernels": library_kernels,
         "stock_sources": {s: op.sources for s, op in installs.items() if hasattr(op, "sources")},
         "vllm_files": installs["vllm"].vk.manifest if "vllm" in installs else None,
         "build_seconds": build_s,

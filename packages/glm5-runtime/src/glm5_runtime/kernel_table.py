@@ -33,7 +33,7 @@ from .reference import ReferenceModel
 from .reference.stages import FUSED_PARTS
 from .results import BETWEEN, STAGES
 
-__all__ = ["assign", "kernel_table", "owner_bytes", "owners", "short_name"]
+__all__ = ["assign", "kernel_table", "owner_bytes", "owner_rows", "owners", "short_name"]
 
 STAGE, STOCK = "stage ", "stock "
 OUTSIDE = STOCK + BETWEEN
@@ -313,3 +313,20 @@ def owner_bytes(model: ReferenceModel, tokens: int, context: int, decode=None) -
         state = tokens * 2 * heads * g.linear_head_dim**2 * 4
         out[routes.get(f"layers.{i}.self_attn.kda", STOCK + "kda")] += state
     return dict(out)
+
+
+def owner_rows(table: list[dict], bytes_: dict[str, float], bandwidth: float) -> list[dict]:
+    """Each owner of a step's kernels (and of bytes): launches, own µs, bytes, floor µs and
+    the ratio, most time first."""
+    launches, us = Counter(), Counter()
+    for k in table:
+        launches[k["owner"]] += k["launches"]
+        us[k["owner"]] += k["us"]
+    rows = []
+    for owner in sorted(set(us) | set(bytes_), key=lambda o: -us[o]):
+        b = bytes_.get(owner, 0.0)
+        floor = b / bandwidth * 1e6
+        ratio = us[owner] / floor if floor else None
+        rows.append({"owner": owner, "launches": launches[owner], "us": us[owner], "bytes": b,
+                     "floor_us": floor, "to_floor": ratio})  # fmt: skip
+    return rows
