@@ -40,8 +40,18 @@ def assert_states_close(got, want, step):
     assert off <= 0.01, (step, off)
 
 
-@pytest.mark.parametrize("heads, requests, q", [(16, 1, 1), (16, 8, 2), (64, 3, 4), (16, 32, 4)])
-def test_consecutive_steps_equal_the_reference(heads, requests, q):
+def _up(x, w):
+    """A low-rank half's up-projection as the model's BF16 linear: FP32 sums, one rounding."""
+    return (x.float() @ w.float().T).bfloat16()
+
+
+@pytest.mark.parametrize(
+    "heads, requests, q, rank",
+    [(16, 1, 1, 0), (16, 8, 2, 0), (64, 3, 4, 0), (16, 32, 4, 0), (16, 1, 1, 128), (16, 8, 2, 128)],
+)
+def test_consecutive_steps_equal_the_reference(heads, requests, q, rank):
+    """rank > 0: the fused_gates kernel (f_b, g_b in the kernel; the calls hand it f_a and
+    g_a of the model's rank, the reference their BF16 up-projections)."""
     gen = torch.Generator("cuda").manual_seed(heads + requests + q)
     c = heads * (2 * K + V)
 
@@ -51,7 +61,12 @@ def test_consecutive_steps_equal_the_reference(heads, requests, q):
     w = dict(conv_weight=randn(c, W, scale=W**-0.5), dt_bias=randn(heads * K, scale=0.5),
              A_log=randn(heads, scale=0.5), norm_weight=1 + randn(V, scale=0.1),
              lower_bound=-5.0, eps=1e-5)  # fmt: skip
-    op = KdaDecode(**w, max_tokens=8)
+    gates = {}
+    if rank:
+        gates = {"f_b": randn(heads * K, rank, scale=rank**-0.5).bfloat16(),
+                 "g_b": randn(heads * V, rank, scale=rank**-0.5).bfloat16()}  # fmt: skip
+    op = KdaDecode(**w, max_tokens=8, **gates)
+    assert op.low_rank == bool(rank)
     op.prepare()
     r, slots = requests, 2 + requests * q + q
     conv = randn(slots, W - 2 + q, c).bfloat16()
@@ -77,9 +92,15 @@ def test_consecutive_steps_equal_the_reference(heads, requests, q):
         wide = randn(r, t, c + 7).bfloat16()  # q | k | v, then other projections' columns
         x = (wide[..., :c], randn(r, t, heads * K).bfloat16(), randn(r, t, heads).bfloat16(),
              randn(r, t, heads * V).bfloat16())  # fmt: skip
+        given = x
+        if rank:  # f_a and g_a as strided rows of one tensor, as the fused in_proj's
+            halves = randn(r, t, 2 * rank + 5).bfloat16()
+            f_a, g_a = halves[..., :rank], halves[..., rank + 5 :]
+            given = (x[0], f_a, x[2], g_a)
+            x = (x[0], _up(f_a, gates["f_b"]), x[2], _up(g_a, gates["g_b"]))
         want = kda_decode_ref(*x, *caches["ref"], **w, **place)
         out = torch.full((r, t, heads * V), float("nan"), device="cuda").bfloat16()
-        got = op(*x, *caches["kernel"], **place, out=out)
+        got = op(*given, *caches["kernel"], **place, out=out)
         assert not got.isnan().any(), step
         assert_outputs_close(got, want, step)
         assert_states_close(caches["kernel"][1], caches["ref"][1], step)

@@ -78,11 +78,11 @@ def no_cuda(monkeypatch):
         (
             ["bench", "--stock", "cublas"],
             "argument --stock: expects comma-separated stocks from "
-            "reference, library, vllm, each once (or both: reference,library), got 'cublas'",
+            "reference, torch, vllm, each once (or both: reference,torch), got 'cublas'",
         ),
         (["bench", "--stock", "vllm,vllm"], "argument --stock: expects comma-separated stocks"),
         (
-            ["bench", "--stock", "library,vllm"],
+            ["bench", "--stock", "torch,vllm"],
             "--stock vllm: needs --vllm-ops DIR, a folder of "
             "vLLM 0.33's kernel files (benchmarks/vllm_files.py copies them out of an installed "
             "vllm==0.33.0)",
@@ -270,7 +270,7 @@ assert not heavy, heavy
 """
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert run.returncode == 0 and run.stderr == "", run.stderr
-    assert "| flash-tp4-rank | 1 |" in run.stdout and "| mhc, norms, reduce |" in run.stdout
+    assert "| flash-tp4-rank | 1 |" in run.stdout and "| mhc, norms, reduce % |" in run.stdout
 
 
 def test_ctrl_c_stops_the_demo_with_one_line_and_status_130():

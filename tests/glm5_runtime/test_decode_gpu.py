@@ -282,18 +282,19 @@ def test_every_capture_size_with_draft_equals_stock(q):
 
 def test_three_capture_sizes_with_draft_equal_stock():
     """The quick selection's whole step: q = 4 (three MTP drafts) at its smallest, a middle
-    and its largest capture size (4, 12, 64 tokens), as the sweep checks each; the sweep of
-    all 16 sizes ran past 7 minutes of the H200, the quick selection's whole budget."""
-    q, requests = 4, (1, 3, 16)
-    sides = Sides(_geometry(), q, [q * r for r in requests], max(requests), with_draft=True,
-                  steps=SWEEP_STEPS)  # fmt: skip
-    for r in requests:
-        sides.run(r)
-        sides.pairs.clear()
-        sides.draft_pairs.clear()
-    print(f"q={q} at {[q * r for r in requests]} tokens: worst relative errors {sides.worst}, "
-          f"requests compared {sides.compared} of {sides.rows}")  # fmt: skip
-    assert sides.compared >= sides.rows / 8, (sides.compared, sides.rows)
+    and its largest capture size (4, 12, 64 tokens), as the sweep checks each (the sweep of
+    all 16 sizes ran past 7 minutes of the H200, the quick selection's whole budget); then
+    q = 1 at 1 and 2 tokens, where every-stage-on runs the fused_gates KDA step."""
+    for q, requests in ((4, (1, 3, 16)), (1, (1, 2))):
+        sides = Sides(_geometry(), q, [q * r for r in requests], max(requests),
+                      with_draft=True, steps=SWEEP_STEPS)  # fmt: skip
+        for r in requests:
+            sides.run(r)
+            sides.pairs.clear()
+            sides.draft_pairs.clear()
+        print(f"q={q} at {[q * r for r in requests]} tokens: worst relative errors "
+              f"{sides.worst}, requests compared {sides.compared} of {sides.rows}")  # fmt: skip
+        assert sides.compared >= sides.rows / 8, (q, sides.compared, sides.rows)
 
 
 @pytest.mark.parametrize("q, tokens", [(1, 1), (1, 64), (4, 4), (4, 64)])

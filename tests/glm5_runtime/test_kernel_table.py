@@ -10,8 +10,9 @@ from decode_cases import ALL_STAGES
 from torch.profiler import ProfilerActivity, profile
 
 from glm5_policy import DecodeConfig
-from glm5_runtime.bench import _fill_caches, _step, _token_ids, floor_bytes
+from glm5_runtime.bench import _fill_caches, _step, _token_ids
 from glm5_runtime.decode import SpecializedDecode
+from glm5_runtime.floor import floor_bytes
 from glm5_runtime.kernel_table import (
     OUTSIDE,
     UNATTRIBUTED,
@@ -105,14 +106,17 @@ def planned():
     return model, SpecializedDecode(ReferenceBackbone(model), config)
 
 
-@pytest.mark.parametrize("tokens", [1, 4])
-def test_owners_bytes_are_the_floor_split(planned, tokens):
+@pytest.mark.parametrize("tokens, traffic", [(1, {}), (4, {}), (4, {"requests": 2, "touched": {}})])
+def test_owners_bytes_are_the_floor_split(planned, tokens, traffic):
     model, decode = planned
-    floor = floor_bytes(model, tokens, 48)
-    stock = owner_bytes(model, tokens, 48)
+    if "touched" in traffic:  # some experts of each MoE layer, as a step's routing selects
+        moe = (i for i, t in enumerate(model.g.mlp_layer_types) if t != "dense")
+        traffic["touched"] = {i: 1 + i % 3 for i in moe}
+    floor = floor_bytes(model, tokens, 48, **traffic)
+    stock = owner_bytes(model, tokens, 48, **traffic)
     assert set(stock) <= {OUTSIDE, *(f"stock {m}" for m in ("kda", "mla", "dense_mlp", "moe",
                                                             "head"))}  # fmt: skip
-    ours = owner_bytes(model, tokens, 48, decode)
+    ours = owner_bytes(model, tokens, 48, decode, **traffic)
     assert sum(stock.values()) == pytest.approx(floor, rel=1e-12)
     assert sum(ours.values()) == pytest.approx(floor, rel=1e-12)
     # Each stage the decode built at this count owns bytes, and only the decode's stages do.

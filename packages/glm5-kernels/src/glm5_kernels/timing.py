@@ -55,15 +55,30 @@ def graph_calls_us(
 
 def hbm_bandwidth() -> dict[str, float]:
     """Bytes/s of HBM, measured as every floor here is judged: a 4 GiB read-only reduction
-    and a 2 GiB device copy (read + write), each a warmed-up CUDA-graph median.
-    "floor" is the better of the two: the figure every floor (bytes ÷ bandwidth) divides by,
-    so no floor is easier than what a plain stream reaches on this GPU."""
+    (torch's), the same read as a plain Triton stream (`stream_read.stream_sum` at 16 and 32
+    programs an SM; where Triton imports) and a 2 GiB device copy (read + write), each a
+    warmed-up CUDA-graph median. "floor" is the best of them: the figure every floor
+    (bytes ÷ bandwidth) divides by, so no floor is easier than what a plain read or copy
+    reaches on this GPU."""
     big = torch.ones(1 << 31, dtype=torch.bfloat16, device="cuda")
     read = graph_calls_us([lambda b=big: torch.sum(b, dtype=torch.float32)] * 4)
+    bw = {"read": big.nbytes / (read * 1e-6)}
+    try:
+        from .stream_read import stream_sum
+    except ImportError:  # no Triton: torch's read and the copy
+        pass
+    else:
+        sms = torch.cuda.get_device_properties(big.device).multi_processor_count
+        out = torch.empty(32 * sms, dtype=torch.float32, device=big.device)
+        stream = min(
+            graph_calls_us([lambda p=p, b=big: stream_sum(b, p, out=out)] * 4)
+            for p in (16 * sms, 32 * sms)
+        )
+        bw["stream"] = big.nbytes / (stream * 1e-6)
     src = big.view(torch.uint8)[: 2 << 30]
     dst = torch.empty_like(src)
     copy = graph_calls_us([lambda d=dst, s=src: d.copy_(s)] * 4)
-    bw = {"read": big.nbytes / (read * 1e-6), "copy": 2 * src.nbytes / (copy * 1e-6)}
+    bw["copy"] = 2 * src.nbytes / (copy * 1e-6)
     del big, dst
     torch.cuda.empty_cache()
     return {**bw, "floor": max(bw.values())}

@@ -4,17 +4,18 @@ captured step holds, a per-stage split of the step that adds up to it, the HBM f
 results and a PNG plot (`glm5-decode plot`).
 
 Three stocks: `reference`, the reference backbone's plain torch ops (the equivalence oracle);
-`library`, the same step with its linears, experts and KDA recurrence on the best library
-kernels of this machine (`glm5_runtime.library`); `vllm`, the same step with its routed
-experts and KDA core on vLLM 0.33's own Triton kernels, loaded from a folder of the wheel's
-files (`glm5_runtime.vllm_stock`; `--vllm-ops DIR`), the path a vLLM user runs for those ops.
+`torch`, the same step with its linears, experts and KDA recurrence on torch-level
+library calls (`glm5_runtime.library`: cuBLAS, torch's block-FP8 `_scaled_mm`, fla's KDA
+where it imports); `vllm`, the same step with its routed experts and KDA core on vLLM 0.33's
+own Triton kernels, loaded from a folder of the wheel's files (`glm5_runtime.vllm_stock`;
+`--vllm-ops DIR`), the path a vLLM user runs for those ops.
 Each stock names what runs each of its ops in the results (`stock_sources`, `library_kernels`).
 
 `--kernels` adds each step's kernel table (`glm5_runtime.kernel_table`): every kernel by
 the stage that launched it, its launches and own time, each stage's bytes and floor ratio.
 
     glm5-decode bench --geometry flash-tp4-rank --tokens 1,8,64 --kernels --out bench.json
-    glm5-decode bench --stock vllm,library --vllm-ops vllm-files --out bench.json
+    glm5-decode bench --stock vllm,torch --vllm-ops vllm-files --out bench.json
     glm5-decode plot bench.json --out bench.png
 """
 
@@ -35,11 +36,12 @@ from glm5_kernels.timing import hbm_bandwidth, replay_times, warm_up
 from glm5_policy import DecodeConfig
 
 from .decode import SpecializedDecode
+from .floor import floor_bytes, touched_experts
 from .kernel_table import kernel_table, owner_bytes, owner_rows
 from .library import LibraryStock
 from .reference import ReferenceModel, geometry
 from .reference.backbone import ReferenceBackbone
-from .reference.stages import FUSED_PARTS, _pages
+from .reference.stages import _pages
 from .results import BETWEEN, STAGES, plot, table
 
 __all__ = ["StageMarks", "call_launches", "floor_bytes", "graph_nodes", "plot", "run", "table"]
@@ -144,33 +146,6 @@ def call_launches(fn) -> int | None:
         fn()
     nodes = graph_nodes(graph)
     return None if nodes is None else nodes.get("kernel", 0)
-
-
-def floor_bytes(model: ReferenceModel, batch: int, context: int) -> float:
-    """The least HBM traffic of one backbone step on the held ranks: every backbone weight
-    but the routed experts and the embedding table, the routed experts the batch is expected
-    to hit (E * (1 - (1 - k/E)^B) per MoE block), the latents and pool keys each query
-    reads, and the KDA states read and written."""
-    g = model.g
-    mtp = tuple(f"layers.{i}." for i in model.mtp_layers)
-    weights = [
-        (n, t)
-        for rank in model.ranks
-        for n, t in rank.w.items()
-        # A fused projection's parts are views of it: their bytes count once.
-        if not n.startswith(mtp) and n.removesuffix(".weight").rpartition(".")[2] not in FUSED_PARTS
-    ]
-    dense = sum(t.nbytes for n, t in weights if ".experts." not in n and "embed_tokens" not in n)
-    experts = sum(t.nbytes for n, t in weights if ".experts." in n)
-    e, k = g.n_routed_experts, g.num_experts_per_tok
-    routed = experts * (1 - (1 - k / e) ** batch)
-    selected = min(context + 1, g.index_topk + g.index_kpool - 1)
-    pool_bytes = model.ranks[0].c.kpool[g.mla_layers[0]][0, 0].nbytes  # one pool's key
-    pools = context // g.index_kpool
-    attention = batch * len(g.mla_layers) * (selected * g.kv_lora_rank * 2 + pools * pool_bytes)
-    heads = g.linear_num_heads // g.tp_size
-    states = batch * len(g.kda_layers) * 2 * heads * g.linear_head_dim**2 * 4
-    return dense + routed + attention + states
 
 
 def _fill_caches(model: ReferenceModel, seed: int = 0) -> None:
@@ -294,7 +269,7 @@ def run(args) -> dict:
     q = args.q
     tokens = [int(t) for t in args.tokens.split(",")]
     stock = getattr(args, "stock", "both")
-    stocks = {"both": "reference,library"}.get(stock, stock).split(",")
+    stocks = {"both": "reference,torch"}.get(stock, stock).split(",")
     model = ReferenceModel.random(
         g, seed=0, device="cuda", max_requests=max(tokens) // q, max_context=args.context + 16,
         q=q,
@@ -313,8 +288,8 @@ def run(args) -> dict:
     bandwidth = hbm_bandwidth()
     sides = [*stocks, "specialized"]
     installs = {}  # each stock side's ops, installed while it is measured
-    if "library" in stocks:
-        installs["library"] = LibraryStock(model)
+    if "torch" in stocks:
+        installs["torch"] = LibraryStock(model)
     if "vllm" in stocks:
         from .vllm_stock import VllmStock  # Triton, and vLLM's files: only for this stock
 
@@ -325,10 +300,12 @@ def run(args) -> dict:
             unlaunched = SpecializedDecode(ReferenceBackbone(model), config)
             unlaunched.prepare()
     rows, total = [], len(sides) * len(tokens)
-    library_kernels = None  # which library kernels the library stock ran
+    library_kernels = None  # which library calls the torch stock ran
     for i, b in enumerate(tokens):
         requests, step = _step(model, b, q, args.context)
         ids = _token_ids(model, len(requests), q)
+        # The experts this step's routing selects (the reference's, one eager run): the floor's.
+        touched = touched_experts(model, _forward(model, decode, "reference", ids, step))
         results = {}
         for j, side in enumerate(sides):
             _progress(len(sides) * i + j, total, f"{b} tokens: {side}")
@@ -338,9 +315,10 @@ def run(args) -> dict:
                 model, decode, side, ids, step, args.iters, plain, installs.get(side)
             )
             library_kernels = results[side].pop("kernels") or library_kernels
-        floor_ms = floor_bytes(model, b, args.context) / bandwidth["floor"] * 1e3
+        traffic = {"requests": len(requests), "touched": touched}
+        floor_ms = floor_bytes(model, b, args.context, **traffic) / bandwidth["floor"] * 1e3
         spec = results["specialized"]["ms"]
-        row = {"tokens": b, "q": q, "floor_ms": floor_ms}
+        row = {"tokens": b, "q": q, "floor_ms": floor_ms, "touched_experts": touched}
         for side in sides:
             row[f"{side}_ms"] = results[side]["ms"]
             row[f"{side}_to_floor"] = results[side]["ms"] / floor_ms
@@ -350,7 +328,7 @@ def run(args) -> dict:
             row[key] = {side: results[side][key] for side in sides}
         if args.kernels:
             table_ = results["specialized"]["kernel_table"]
-            held = owner_bytes(model, b, args.context, decode)
+            held = owner_bytes(model, b, args.context, decode, **traffic)
             row["kernel_tables"] = {
                 "specialized": {
                     "owners": owner_rows(table_, held, bandwidth["floor"]),

@@ -31,8 +31,8 @@ from . import vllm_files
 
 # The names reference.config.geometry() takes (importing it here would import torch).
 GEOMETRIES = ("tiny", "flash", *(f"flash-tp{tp}-rank" for tp in (1, 2, 4, 8)))
-STOCKS = ("reference", "library", "vllm")
-BOTH = "reference,library"  # `--stock both`, the default
+STOCKS = ("reference", "torch", "vllm")
+BOTH = "reference,torch"  # `--stock both`, the default
 BLOCK_SIZE = 64  # ReferenceModel's default paged-cache block
 _GEOMETRY = dict(
     choices=GEOMETRIES,
@@ -330,9 +330,9 @@ def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         type=_stocks,
         default="both",
         help="the stock step(s) to time, comma-separated: reference (the reference backbone's "
-        "plain torch ops), library (the best library kernels on this machine: cuBLAS, torch "
-        "block-FP8 _scaled_mm, fla's KDA where it imports), vllm (vLLM 0.33's own fused-MoE and "
-        f"KDA Triton kernels, from --vllm-ops); both: {BOTH}",
+        "plain torch ops), torch (its linears, experts and KDA recurrence on torch-level library "
+        "calls: cuBLAS, torch block-FP8 _scaled_mm, fla's KDA where it imports), vllm (vLLM "
+        f"0.33's own fused-MoE and KDA Triton kernels, from --vllm-ops); both: {BOTH}",
     )
     b.add_argument(
         "--vllm-ops", type=_vllm_folder, metavar="DIR",

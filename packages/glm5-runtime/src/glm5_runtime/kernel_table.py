@@ -10,9 +10,9 @@ read from replays of the step's CUDA graph captured with PDL off (a kernel launc
 would count its wait for the one before): the k-th kernel of a name in a replay is the k-th
 of that name in the eager run, median over the replays.
 
-A stage's bytes are the weights its ops read (the routed experts by the share a step of
-that many tokens is expected to hit, as `bench.floor_bytes` counts them) and the cache
-traffic the floor counts for its layers; over all owners they sum to the step's floor."""
+A stage's bytes are the weights its ops read (the routed experts by the share the step's
+routing selected, as `floor.floor_bytes` counts them) and the cache traffic the floor counts
+for its layers; over all owners they sum to the step's floor."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from .floor import cache_bytes, expert_hits
 from .reference import ReferenceModel
 from .reference.stages import FUSED_PARTS
 from .results import BETWEEN, STAGES
@@ -251,11 +252,18 @@ def kernel_table(
     return sorted(rows, key=lambda r: -r["us"])
 
 
-def owner_bytes(model: ReferenceModel, tokens: int, context: int, decode=None) -> dict[str, float]:
-    """Bytes each owner of a `tokens`-token step must move: `bench.floor_bytes` split by
-    who reads them — the weights of the ops it runs (a fused weight once, the routed experts
-    by their expected hits, no embedding table) and, for the attention stages, the caches
-    they read and write. Without `decode`, every owner is a stock one."""
+def owner_bytes(
+    model: ReferenceModel,
+    tokens: int,
+    context: int,
+    decode=None,
+    requests: int | None = None,
+    touched: dict[int, int] | None = None,
+) -> dict[str, float]:
+    """Bytes each owner of a `tokens`-token step must move: `floor.floor_bytes` (same
+    arguments) split by who reads them — the weights of the ops it runs (a fused weight once,
+    the routed experts by `expert_hits`, no embedding table) and, for the attention stages,
+    the caches they read and write. Without `decode`, every owner is a stock one."""
     g = model.g
     routes, boundary, head, holds = {}, False, False, dict(_HOLDS)
     if decode is not None:
@@ -267,8 +275,7 @@ def owner_bytes(model: ReferenceModel, tokens: int, context: int, decode=None) -
         head = tokens in decode.head
     attention = {i: "mla" for i in g.mla_layers} | {i: "kda" for i in g.kda_layers}
     mlp = {i: "dense_mlp" if t == "dense" else "moe" for i, t in enumerate(g.mlp_layer_types)}
-    e, k = g.n_routed_experts, g.num_experts_per_tok
-    hit = 1 - (1 - k / e) ** tokens
+    hits = expert_hits(model, tokens, touched)
     mtp = tuple(f"layers.{i}." for i in model.mtp_layers)
 
     def owner(name: str) -> str:
@@ -298,20 +305,17 @@ def owner_bytes(model: ReferenceModel, tokens: int, context: int, decode=None) -
             # A fused weight's parts are views of it: its bytes count once, as its parts.
             fused = name.removesuffix(".weight").rpartition(".")[2] in FUSED_PARTS
             if not (name.startswith(mtp) or "embed_tokens" in name or fused):
-                out[owner(name)] += t.nbytes * (hit if ".experts." in name else 1)
-    # The caches, once a step as the floor counts them: each query's selected latents and
-    # every pool key, the KDA states read and written.
-    selected = min(context + 1, g.index_topk + g.index_kpool - 1)
-    pool = model.ranks[0].c.kpool[g.mla_layers[0]][0, 0].nbytes
+                hit = hits[int(name.split(".")[1])] if ".experts." in name else 1
+                out[owner(name)] += t.nbytes * hit
+    # The caches, once a step as the floor counts them (per request): one query's selected
+    # latents and every pool key, the KDA states read and written.
+    c = cache_bytes(model, tokens if requests is None else requests, context)
     for i in g.mla_layers:
         a = f"layers.{i}.self_attn"
-        out[routes.get(f"{a}.dsa_attn", STOCK + "mla")] += tokens * selected * g.kv_lora_rank * 2
-        pools = tokens * (context // g.index_kpool) * pool
-        out[routes.get(f"{a}.indexer.topk", STOCK + "mla")] += pools
-    heads = g.linear_num_heads // g.tp_size
+        out[routes.get(f"{a}.dsa_attn", STOCK + "mla")] += c["latents"]
+        out[routes.get(f"{a}.indexer.topk", STOCK + "mla")] += c["pools"]
     for i in g.kda_layers:
-        state = tokens * 2 * heads * g.linear_head_dim**2 * 4
-        out[routes.get(f"layers.{i}.self_attn.kda", STOCK + "kda")] += state
+        out[routes.get(f"layers.{i}.self_attn.kda", STOCK + "kda")] += c["states"]
     return dict(out)
 
 

@@ -15,7 +15,7 @@ BETWEEN = "mhc, norms, reduce"
 
 LINES = (
     ("reference_ms", "reference stock"),
-    ("library_ms", "library stock"),
+    ("torch_ms", "torch stock"),
     ("specialized_ms", "specialized"),
     ("floor_ms", "HBM floor"),
     ("vllm_ms", "vLLM-kernel stock"),
@@ -29,10 +29,7 @@ def plot(result_paths: list[str], out: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    results = []
-    for path in result_paths:
-        with open(path) as f:
-            results.append(json.load(f))
+    results = [_load(path) for path in result_paths]
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
     for ax, r in zip(axes[0], results, strict=True):
         x = [row["tokens"] for row in r["rows"]]
@@ -48,17 +45,28 @@ def plot(result_paths: list[str], out: str) -> None:
     fig.savefig(out, dpi=120)
 
 
+def _load(path: str) -> dict:
+    """A results file, its torch stock named as it is now (files before the rename call it
+    `library`)."""
+    with open(path) as f:
+        r = json.load(f)
+    for row in r["rows"]:
+        for key in [k for k in row if "library" in k]:
+            row[key.replace("library", "torch")] = row.pop(key)
+        for per_side in (row[k] for k in ("nodes", "stages_ms", "marked_ms") if k in row):
+            if "library" in per_side:
+                per_side["torch"] = per_side.pop("library")
+    return r
+
+
 def table(result_paths: list[str]) -> str:
     """Results JSON files as the runtime README's markdown tables: per step the time of each
     side, kernels per step, the ratios; then the graph-captured stage split."""
-    results = []
-    for path in result_paths:
-        with open(path) as f:
-            results.append(json.load(f))
+    results = [_load(path) for path in result_paths]
     # The vLLM-kernel stock's columns where some file timed it.
     vllm = any("vllm_ms" in row for r in results for row in r["rows"])
-    stocks = ["reference", "library", *(["vllm"] if vllm else [])]
-    short = {"reference": "ref", "library": "lib", "vllm": "vllm"}
+    stocks = ["reference", "torch", *(["vllm"] if vllm else [])]
+    short = {"reference": "ref", "torch": "torch", "vllm": "vllm"}
     out = [
         "| geometry | tokens | " + "".join(f"{s} ms | " for s in stocks) + "specialized ms "
         "| floor ms | " + "".join(f"vs {s} | " for s in stocks) + "specialized × floor "
@@ -82,13 +90,17 @@ def table(result_paths: list[str]) -> str:
                 + "".join(f"{cell(row, f'speedup_vs_{s}', 2)} | " for s in stocks)
                 + f"{row['specialized_to_floor']:.1f} | {kernels} |"
             )
+    # The split in shares of the marked graph's sum: its marks cost time of their own (each
+    # an event record node that also breaks a PDL chain), so its sum exceeds the graph's.
     stages = [*STAGES, BETWEEN]
-    out += ["", "| geometry | tokens | side | " + " | ".join(stages) + " | sum | graph |"]
+    out += ["", "| geometry | tokens | side | " + " | ".join(f"{s} %" for s in stages)
+            + " | marked ms | graph ms |"]  # fmt: skip
     out.append("| --- | ---: | --- |" + " ---: |" * (len(stages) + 2))
     for r in results:
         for row in r["rows"]:
             for side, split in row["stages_ms"].items():
-                cells = " | ".join(f"{split.get(s, 0):.2f}" for s in stages)
+                marked = row["marked_ms"][side]
+                cells = " | ".join(f"{100 * split.get(s, 0) / marked:.1f}" for s in stages)
                 out.append(
                     f"| {r['geometry']} | {row['tokens']} | {side} | {cells} "
                     f"| {row['marked_ms'][side]:.1f} | {row[f'{side}_ms']:.1f} |"
