@@ -79,8 +79,8 @@ def gpu_tests(session: nox.Session) -> None:
             f"{gpus} GPU on this host: the multi_gpu tests (NVLink exchanges and TP ranks "
             "across GPUs) need 2+ GPUs of one host and are left out"
         )
-    if quick:
-        args, markers = args[1:], f"({markers}) and quick"
+    if quick:  # each test's time printed: the selection has a wall-time budget (README)
+        args, markers = ["--durations=0", *args[1:]], f"({markers}) and quick"
     paths = ":".join(f"packages/{p}/src" for p in PACKAGES)
     session.run("python", "-m", "pytest", "-m", markers, *args, env={"PYTHONPATH": paths})
 

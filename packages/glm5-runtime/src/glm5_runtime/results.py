@@ -68,10 +68,10 @@ def table(result_paths: list[str]) -> str:
     stocks = ["reference", "torch", *(["vllm"] if vllm else [])]
     short = {"reference": "ref", "torch": "torch", "vllm": "vllm"}
     out = [
-        "| geometry | tokens | " + "".join(f"{s} ms | " for s in stocks) + "specialized ms "
+        "| geometry | tokens | q | " + "".join(f"{s} ms | " for s in stocks) + "specialized ms "
         "| floor ms | " + "".join(f"vs {s} | " for s in stocks) + "specialized × floor "
         f"| kernels ({' / '.join(short[s] for s in stocks)} / spec) |",
-        "| --- | ---: | " + "---: | " * (2 * len(stocks) + 3) + "--- |",
+        "| --- | ---: | ---: | " + "---: | " * (2 * len(stocks) + 3) + "--- |",
     ]
 
     def cell(row: dict, key: str, digits: int) -> str:
@@ -84,7 +84,7 @@ def table(result_paths: list[str]) -> str:
                 for side in (*stocks, "specialized")
             )
             out.append(
-                f"| {r['geometry']} | {row['tokens']} | "
+                f"| {r['geometry']} | {row['tokens']} | {row['q']} | "
                 + "".join(f"{cell(row, f'{s}_ms', 1)} | " for s in stocks)
                 + f"{row['specialized_ms']:.1f} | {row['floor_ms']:.2f} | "
                 + "".join(f"{cell(row, f'speedup_vs_{s}', 2)} | " for s in stocks)
@@ -93,16 +93,16 @@ def table(result_paths: list[str]) -> str:
     # The split in shares of the marked graph's sum: its marks cost time of their own (each
     # an event record node that also breaks a PDL chain), so its sum exceeds the graph's.
     stages = [*STAGES, BETWEEN]
-    out += ["", "| geometry | tokens | side | " + " | ".join(f"{s} %" for s in stages)
+    out += ["", "| geometry | tokens | q | side | " + " | ".join(f"{s} %" for s in stages)
             + " | marked ms | graph ms |"]  # fmt: skip
-    out.append("| --- | ---: | --- |" + " ---: |" * (len(stages) + 2))
+    out.append("| --- | ---: | ---: | --- |" + " ---: |" * (len(stages) + 2))
     for r in results:
         for row in r["rows"]:
             for side, split in row["stages_ms"].items():
                 marked = row["marked_ms"][side]
                 cells = " | ".join(f"{100 * split.get(s, 0) / marked:.1f}" for s in stages)
                 out.append(
-                    f"| {r['geometry']} | {row['tokens']} | {side} | {cells} "
+                    f"| {r['geometry']} | {row['tokens']} | {row['q']} | {side} | {cells} "
                     f"| {row['marked_ms'][side]:.1f} | {row[f'{side}_ms']:.1f} |"
                 )
     tables = kernel_tables(results)
