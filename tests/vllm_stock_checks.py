@@ -20,7 +20,17 @@ Bounds (a BF16 value x is one ulp <= 2^-7 |x| from its neighbours):
 - KDA recurrence and gated norm, from vLLM's conv output: FP32 in both but for op order and
   the GPU's exp (~2^-22), so the states within 2^-16 of their largest; the output o is
   rounded to BF16 in both (a flip: 2^-7 of that element, and of its head's RMS), then normed
-  and rounded again (2^-7): 2^-5 of each element."""
+  and rounded again (2^-7): 2^-5 of each element.
+- mHC pre (`vllm_mhc.mhc_pre`), against FP64: the pre gate (vLLM's kernel, recomputed on the
+  call's inputs), post and comb are FP32 on both sides, the same math in another
+  association (vLLM scales the mix GEMM by rstd where the reference normalizes first, and
+  sums in another order): each within 2x the reference's own worst error against FP64 (what
+  FP32 makes of this math on these inputs), plus 2^-20 (8 FP32 ulps of 1; the values are
+  <= 2) for where the reference happens to land near the truth. The
+  collapse from vLLM's pre, bounded by its roundings alone: FP32 products and three sums,
+  each within 2^-24 of the running sum of |pre * stream| (<= 2^-22 of it in all, taken
+  twice for the rounding of a value that far off), then one BF16 rounding (half an ulp:
+  <= 2^-8 of the value)."""
 
 import inspect
 from contextlib import contextmanager
@@ -32,8 +42,9 @@ import torch
 import torch.nn.functional as F
 
 from glm5_kernels.kda import gated_rms_norm_ref, kda_decode_ref, kda_gate_ref, kda_recurrence_ref
+from glm5_kernels.mhc import hc_mix_ref
 from glm5_kernels.quant import quantize_fp8_block_ref
-from glm5_runtime import vllm_stock
+from glm5_runtime import vllm_mhc, vllm_stock
 from glm5_runtime.reference.stages import Placement, stock_experts
 
 
@@ -214,15 +225,70 @@ def check_kda(args: dict, conv_out, out, conv_after, rec_after, step: Placement)
     assert torch.equal(rec_after[kept], rec[kept])  # no other slot touched
 
 
+def mhc_case(tokens, gen, h=4, d=64):
+    """streams, fn, scale, base of one mHC pre on gen's device, with the reference model's
+    init statistics (unit streams, fn std 0.5 / sqrt(H*D), scale 0.5 + U[0, 1), base std
+    0.5)."""
+    dev = gen.device
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=dev)
+
+    streams = randn(tokens, h, d).bfloat16()
+    fn = randn((2 + h) * h, h * d) * 0.5 / (h * d) ** 0.5
+    scale = 0.5 + torch.rand(3, generator=gen, device=dev)
+    return streams, fn, scale, randn((2 + h) * h) * 0.5
+
+
+def _mix64(streams, fn, scale, base, rms_eps, hc_eps, iters, post_mult=2.0):
+    """hc_mix_ref's math in FP64 -> pre, post, comb."""
+    t, h, _ = streams.shape
+    x = streams.reshape(t, -1).double()
+    x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + rms_eps)
+    m_pre, m_post, m_comb = (x @ fn.double().T).split([h, h, h * h], dim=-1)
+    s, b = scale.double(), base.double()
+    pre = torch.sigmoid(m_pre * s[0] + b[:h]) + hc_eps
+    post = post_mult * torch.sigmoid(m_post * s[1] + b[h : 2 * h])
+    comb = torch.softmax(m_comb.view(t, h, h) * s[2] + b[2 * h :].view(h, h), -1) + hc_eps
+    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    return pre, post, comb
+
+
+def check_mhc_pre(mhc, streams, fn, scale, base, rms_eps, hc_eps, iters, out):
+    """One `vllm_mhc.mhc_pre` call's output (post, comb, collapsed) against FP64 and the
+    reference (module docstring); `mhc`: VllmKernels.mhc, to recompute vLLM's pre gate."""
+    post, comb, collapsed = out
+    t, h, d = streams.shape
+    kw = dict(rms_eps=rms_eps, hc_eps=hc_eps, sinkhorn_iters=iters)
+    ref_pre, ref_post, ref_comb = hc_mix_ref(streams, fn, scale, base, **kw)
+    flat = streams.reshape(t, -1).float()
+    pre = mhc.mhc_pre_mix_triton((flat @ fn.T)[None], flat.square().sum(-1)[None], scale, base,
+                                 h, h * d, rms_eps, hc_eps)  # fmt: skip
+    truth = _mix64(streams, fn, scale, base, rms_eps, hc_eps, iters)
+    for name, got, ref, want in zip(("pre", "post", "comb"), (pre, post, comb),
+                                    (ref_pre, ref_post, ref_comb), truth, strict=True):  # fmt: skip
+        assert got.dtype == torch.float32 and got.shape == want.shape, name
+        err, noise = (got - want).abs().max().item(), (ref - want).abs().max().item()
+        assert err <= 2 * noise + 2.0**-20, (name, err, noise)
+    terms = pre.double()[..., None] * streams.double()
+    exact, size = terms.sum(1), terms.abs().sum(1)
+    assert collapsed.dtype == torch.bfloat16 and collapsed.shape == (t, d)
+    err = (collapsed.double() - exact).abs()
+    assert (err <= 2.0**-8 * exact.abs() + 2.0**-21 * size).all(), err.max()
+
+
 class Recorder:
-    """Each vLLM KDA core and experts call checked as it runs, on its own inputs (`step`:
-    the placement of the step they run in)."""
+    """Each vLLM KDA core, experts and mHC pre call checked as it runs, on its own inputs
+    (`step`: the placement of the step they run in)."""
 
     def __init__(self, kernels, monkeypatch):
-        self.calls = {"kda": 0, "experts": 0}
+        self.calls = {"kda": 0, "experts": 0, "mhc": 0}
         self.step = self.conv_out = None
         conv, core = kernels.conv.causal_conv1d_update, vllm_stock.kda_core
-        experts = vllm_stock.fused_experts
+        experts, pre = vllm_stock.fused_experts, vllm_mhc.mhc_pre
 
         def conv_recorded(*args, **kwargs):
             self.conv_out = conv(*args, **kwargs)
@@ -243,6 +309,15 @@ class Recorder:
             self.calls["experts"] += 1
             return out
 
+        def pre_checked(mhc, streams, fn, scale, base, *, rms_eps, hc_eps, sinkhorn_iters,
+                        **kw):  # fmt: skip
+            out = pre(mhc, streams, fn, scale, base, rms_eps=rms_eps, hc_eps=hc_eps,
+                      sinkhorn_iters=sinkhorn_iters, **kw)  # fmt: skip
+            check_mhc_pre(mhc, streams, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters, out)
+            self.calls["mhc"] += 1
+            return out
+
         monkeypatch.setattr(kernels.conv, "causal_conv1d_update", conv_recorded)
+        monkeypatch.setattr(vllm_mhc, "mhc_pre", pre_checked)
         monkeypatch.setattr(vllm_stock, "kda_core", core_checked)
         monkeypatch.setattr(vllm_stock, "fused_experts", experts_checked)

@@ -1,7 +1,8 @@
 """The vLLM-kernel stock (`glm5_runtime.vllm_stock`) on the GPU: vLLM 0.33's Triton kernels
-compiled for it (swap-AB, PDL, the Triton SwiGLU) at GLM-5.3-Flash's TP-4 shapes against the
-reference on the same inputs (tests/vllm_stock_checks.py: the checks and their bounds), and a
-whole step on them captured in one CUDA graph replaying as it ran eagerly.
+compiled for it (swap-AB, PDL, the Triton SwiGLU) at GLM-5.3-Flash's TP-4 shapes (the mHC pre
+at its replicated 4 x 4096 streams) against the reference on the same inputs
+(tests/vllm_stock_checks.py: the checks and their bounds), and a whole step on them captured in
+one CUDA graph replaying as it ran eagerly.
 
 The kernels come from a folder of the vllm==0.33.0 wheel's files (vLLM is not installed on the
 GPU host): `python benchmarks/vllm_files.py DIR` where it is, then GLM5_VLLM_FILES=DIR."""
@@ -10,9 +11,16 @@ import os
 
 import pytest
 import torch
-from vllm_stock_checks import Recorder, check_experts, experts_case, kda_case
+from vllm_stock_checks import (
+    Recorder,
+    check_experts,
+    check_mhc_pre,
+    experts_case,
+    kda_case,
+    mhc_case,
+)
 
-from glm5_runtime import vllm_stock
+from glm5_runtime import vllm_mhc, vllm_stock
 from glm5_runtime.reference import ReferenceModel, geometry
 from glm5_runtime.vllm_files import problems
 from glm5_runtime.vllm_stock import VllmKernels, VllmStock, _placed
@@ -59,6 +67,25 @@ def test_kda_core_at_the_tp4_heads(kernels, monkeypatch, requests, q):
     assert recorder.calls["kda"] == 1
 
 
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_mhc_pre_at_the_flash_streams(kernels, tokens):
+    """4 streams x 4096 (GLM-5.3-Flash's mHC, replicated on every rank): vLLM's pre gate and
+    collapse with the torch post gate and Sinkhorn around them against the reference and
+    FP64, and a captured call replays bit for bit."""
+    g = geometry("flash")
+    gen = torch.Generator("cuda").manual_seed(tokens)
+    case = mhc_case(tokens, gen, h=g.hc_mult, d=g.hidden_size)
+    kw = dict(rms_eps=g.rms_norm_eps, hc_eps=g.hc_eps, sinkhorn_iters=g.hc_sinkhorn_iters)
+    out = vllm_mhc.mhc_pre(kernels.mhc, *case, **kw)
+    check_mhc_pre(kernels.mhc, *case, *kw.values(), out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = vllm_mhc.mhc_pre(kernels.mhc, *case, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(c, o) for c, o in zip(captured, out, strict=True))
+
+
 def test_a_captured_vllm_step_replays_like_eager(kernels, monkeypatch):
     """A tiny model's decode step (hidden and experts whole FP8 blocks) on the vLLM stock:
     each vLLM call checked eagerly; the step captured in one graph, replayed from the same
@@ -82,7 +109,7 @@ def test_a_captured_vllm_step_replays_like_eager(kernels, monkeypatch):
         with VllmStock(model, kernels):
             eager = model.backbone(tokens, step).clone()
             after = [t.clone() for t in caches]
-            assert recorder.calls == {"kda": 1, "experts": 2}
+            assert recorder.calls == {"kda": 1, "experts": 2, "mhc": 4}
             monkeypatch.undo()  # the checks run eagerly only
             for t, saved in zip(caches, before, strict=True):
                 t.copy_(saved)

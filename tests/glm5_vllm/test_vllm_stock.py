@@ -2,8 +2,9 @@
 copied out of the installed wheel (`vllm_files.copy_files`) and run by Triton's interpreter,
 against the reference on the same inputs (tests/vllm_stock_checks.py: the checks and their
 bounds): the token quantization, the routed experts (both block assignments, the SwiGLU clamp,
-UE8M0 scales), the KDA core (decode, verify), and every such call of whole tiny decode and
-verify steps (TP 1 and 2), whose hidden states stay within the stock model's own rounding
+UE8M0 scales), the KDA core (decode, verify), the mHC pre (vLLM's pre gate and collapse), and
+every such call of whole tiny decode and verify steps (TP 1 and 2), whose hidden states stay
+within the stock model's own rounding
 noise: each token's row within 2x the worst row of the reference BF16 model against itself
 in FP32, every expert routed and every pool selected so that no discrete choice can differ.
 
@@ -18,14 +19,17 @@ import torch
 from vllm_stock_checks import (
     Recorder,
     check_experts,
+    check_mhc_pre,
     exact_interpreter,
     experts_case,
     kda_case,
+    mhc_case,
     rel,
     vllm_quant,
 )
 
-from glm5_runtime import vllm_stock
+from glm5_kernels.mhc import hc_pre_ref
+from glm5_runtime import vllm_mhc, vllm_stock
 from glm5_runtime.reference import ReferenceModel, geometry
 from glm5_runtime.reference.stages import _fake_quant, stock_experts
 from glm5_runtime.vllm_files import FILES, MANIFEST, copy_files, problems
@@ -153,6 +157,26 @@ def test_kda_core_is_the_reference(kernels, monkeypatch, requests, q):
     assert recorder.calls["kda"] == 1
 
 
+@pytest.mark.parametrize("tokens, d", [(1, 64), (6, 256)])
+def test_mhc_pre_is_the_reference(kernels, tokens, d):
+    """vLLM's pre gate (mhc_pre_mix_triton, from the unnormalized mix GEMM) and collapse
+    (hc_collapse_triton) with the post gate and Sinkhorn around them: the reference's pre
+    within FP32 noise, the collapse within its own roundings; gates from the wrong columns
+    of the base are far outside."""
+    gen = torch.Generator().manual_seed(tokens)
+    case = mhc_case(tokens, gen, d=d)
+    g = geometry("tiny")
+    kw = dict(rms_eps=g.rms_norm_eps, hc_eps=g.hc_eps, sinkhorn_iters=g.hc_sinkhorn_iters)
+    out = vllm_mhc.mhc_pre(kernels.mhc, *case, **kw)
+    check_mhc_pre(kernels.mhc, *case, *kw.values(), out)
+    streams, fn, scale, base = case
+    ref = hc_pre_ref(streams, fn, scale, base, **kw)
+    assert rel(out[2], ref[2]) <= 2.0**-8  # the collapses: a BF16 rounding apart at most
+    with pytest.raises(AssertionError):  # the base's post columns in place of its pre ones
+        shifted = torch.cat([base[4:8], base[:4], base[8:]])
+        check_mhc_pre(kernels.mhc, streams, fn, scale, shifted, *kw.values(), out)
+
+
 def _tiny(dtype, tp: int):
     """Tiny, but with hidden and each rank's expert sizes whole FP8 blocks (vLLM's kernels
     take no other), every expert routed (4 of 4) and every pool selected (contexts below
@@ -189,7 +213,8 @@ def test_steps_with_the_vllm_stock_and_without(kernels, monkeypatch, tp):
     stock = VllmStock(model, kernels)
     assert stock.sources["experts"].startswith("vllm:fused_moe_kernel")
     assert stock.sources["kda"].startswith("vllm:causal_conv1d_update")
-    assert stock.sources["mla"] == stock.sources["mhc"] == "torch"
+    assert stock.sources["mhc"].startswith("vllm:mhc_pre_mix_triton")
+    assert stock.sources["mla"] == "torch"
     recorder = Recorder(kernels, monkeypatch)
     with torch.no_grad():
         model.forward(requests, ids[:, :5])  # the prefill: the reference's
@@ -210,11 +235,13 @@ def test_steps_with_the_vllm_stock_and_without(kernels, monkeypatch, tp):
                 got = model.backbone(tokens, step)
             assert recorder.calls["kda"] - before["kda"] == tp  # one KDA layer a rank
             assert recorder.calls["experts"] - before["experts"] == 2 * tp  # two MoE layers
+            assert recorder.calls["mhc"] - before["mhc"] == 4  # two pres a layer, once a step
             assert _worst_row(got, want) <= 2 * noise, (_worst_row(got, want), noise)
             for m in (model, fp32):  # the next step follows this one (backbone keeps no state)
                 for r in requests:
                     m.lengths[r] += t
     assert not any(name in vars(rank) for rank in model.ranks for name in ("kda", "experts"))
+    assert "_pre" not in vars(model)
 
 
 def test_what_vllms_kernels_cannot_take_stays_the_reference(kernels):
@@ -226,3 +253,18 @@ def test_what_vllms_kernels_cannot_take_stays_the_reference(kernels):
     assert stock.sources["experts"] == "torch" and stock.sources["kda"].startswith("vllm:")
     with stock:
         assert "experts" not in vars(model.ranks[0]) and "kda" in vars(model.ranks[0])
+
+
+def test_an_fp32_models_mhc_stays_the_reference(kernels):
+    """vLLM's collapse takes BF16 streams only: an FP32 model's pre is the reference's, bit
+    for bit, while the stock is entered; the stock's own is back off on exit."""
+    model = ReferenceModel.random(geometry("tiny"), max_requests=1, max_context=16,
+                                  dtype=torch.float32)  # fmt: skip
+    streams = torch.randn(3, model.g.hc_mult, model.g.hidden_size)
+    args = (streams, "layers.0.attn_hc", "layers.0.input_layernorm.weight")
+    want = model._pre(*args)
+    with VllmStock(model, kernels):
+        assert "_pre" in vars(model)
+        got = model._pre(*args)
+    assert "_pre" not in vars(model)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

@@ -49,6 +49,8 @@ FILES = {
     "gated_norm": "third_party/flash_linear_attention/ops/kda.py",
     # Kimi's KDA decode kernels: benchmarks/kda_decode.py's stock
     "kimi_kda": "models/kimi_k3/nvidia/ops/third_party/kda/fused_recurrent.py",
+    # mHC: the pre gate from the mix GEMM (mhc_pre_mix_triton), the stream collapse
+    "mhc": "model_executor/kernels/mhc/triton.py",
 }
 
 

@@ -21,6 +21,12 @@ extension, loaded from a folder of the wheel's files (`glm5_runtime.vllm_files`)
   `forward_native` is compiled instead, the same FP32 math). Decode steps and verifies only:
   a prefill's KDA stays the reference's, and a decode must start from its request's first
   state slot (vLLM without MTP; with MTP every step is a verify).
+- mHC (`glm5_runtime.vllm_mhc`): each sublayer's pre gate by `mhc_pre_mix_triton` from the
+  mix GEMM and the streams' square sums, and its stream collapse by `hc_collapse_triton`;
+  the GEMM, post gate, comb (softmax, Sinkhorn), every hc_post and the head's mean stay
+  torch: vLLM 0.33's Triton file has no whole pre, post or boundary kernel (TileLang runs
+  them on CUDA), its post is FP32 with one rounding where the reference's is BF16, and its
+  Glm5Next head is torch's mean too (vllm_mhc's docstring says it piece by piece).
 
 In torch where vLLM's is a C++ op: `moe_align_block_size`'s sort (`_align`, capturable: fixed
 shapes, no host sync) and `moe_sum` (a sum over the top-k rows). Where vLLM's CUDA build
@@ -44,6 +50,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from glm5_kernels.norm import rms_norm_ref
+
+from . import vllm_mhc
 from .reference import ReferenceModel
 from .reference.stages import Placement, RankStages
 from .vllm_files import load, manifest
@@ -52,7 +61,7 @@ __all__ = ["VllmKernels", "VllmStock", "fused_experts", "kda_core"]
 
 BLOCK = [128, 128]  # the checkpoint's FP8 weight blocks, vLLM's block_shape
 O_NORM_EPS = 1e-5  # vLLM's Glm5Next builds FusedRMSNormGated without eps: its default
-OPS = ("experts", "kda")
+OPS = ("experts", "kda")  # RankStages methods it replaces; and ReferenceModel._pre (mhc)
 # The step's ops, each named with what runs it in `VllmStock.sources`.
 SOURCES = ("embed", "kda_projections", "kda", "kda_prefill", "mla", "indexer", "dense_mlp",
            "router", "routing", "experts", "shared_expert", "mhc", "norms", "head")  # fmt: skip
@@ -141,7 +150,8 @@ class VllmKernels:
     file's definitions run over stand-ins for its imports: `moe` (fused_moe_kernel and its
     launch, tiles, block assignment, alignment wrapper, SwiGLU, FP8 quantization), `conv`
     (causal_conv1d), `kda` (GLM-5's fused_recurrent_kda), `norm` (rms_norm_gated), `kimi`
-    (Kimi's KDA decode kernels: benchmarks/kda_decode.py's stock)."""
+    (Kimi's KDA decode kernels: benchmarks/kda_decode.py's stock), `mhc` (the mHC pre gate
+    and stream collapse: `vllm_mhc`)."""
 
     def __init__(self, folder: str | Path):
         self.folder, self.manifest = Path(folder), manifest(folder)
@@ -201,6 +211,7 @@ class VllmKernels:
             "fused_recurrent_kda_packed_decode_kernel", "fused_recurrent_kda_packed_decode",
             exp=exp, log=log,
         )  # fmt: skip
+        self.mhc = get("mhc", *vllm_mhc.NAMES, Tensor=Tensor)
 
 
 def fused_experts(
@@ -297,8 +308,9 @@ def _placed(step: Placement, tokens: int) -> dict:
 
 class VllmStock:
     """While entered, `model`'s ranks run vLLM 0.33's kernels for the routed experts and the
-    KDA core (the module docstring); `sources` names what runs each op of the step (the
-    bench records it). `kernels`: a loaded `VllmKernels`, or the folder of vLLM's files."""
+    KDA core, and `model` its mHC pre (the module docstring); `sources` names what runs each
+    op of the step (the bench records it). `kernels`: a loaded `VllmKernels`, or the folder
+    of vLLM's files."""
 
     def __init__(self, model: ReferenceModel, kernels: VllmKernels | str | Path):
         self.model = model
@@ -324,6 +336,8 @@ class VllmStock:
         self.sources = {op: "torch" for op in SOURCES}
         self.sources["routing"] = "torch (route_ref)"
         self.sources |= {op: v for op, v in vllm.items() if op not in self.fallbacks}
+        self.sources["mhc"] = vllm_mhc.SOURCE
+        self.hc = vllm_mhc.hc_weights(model)  # FP32, as vLLM holds them
 
     def __enter__(self) -> VllmStock:
         for rank in self.model.ranks:
@@ -331,12 +345,26 @@ class VllmStock:
                 rank.experts = functools.partial(self._experts, rank)
             if "kda" not in self.fallbacks:
                 rank.kda = functools.partial(self._kda, rank)
+        self.model._pre = self._pre
         return self
 
     def __exit__(self, *exc) -> None:
         for rank in self.model.ranks:
             for name in OPS:
                 rank.__dict__.pop(name, None)
+        self.model.__dict__.pop("_pre", None)
+
+    def _pre(self, streams: Tensor, hc: str, norm: str) -> tuple[Tensor, Tensor, Tensor]:
+        """ReferenceModel._pre with vLLM's pre gate and collapse (`vllm_mhc.mhc_pre`)."""
+        model, g = self.model, self.model.g
+        if streams.dtype != torch.bfloat16:  # the collapse kernel's only dtype
+            return ReferenceModel._pre(model, streams, hc, norm)
+        post, comb, x = vllm_mhc.mhc_pre(
+            self.vk.mhc, streams, self.hc[f"{hc}.fn"], self.hc[f"{hc}.scale"],
+            self.hc[f"{hc}.base"], rms_eps=g.rms_norm_eps, hc_eps=g.hc_eps,
+            sinkhorn_iters=g.hc_sinkhorn_iters,
+        )  # fmt: skip
+        return rms_norm_ref(x, model._w(norm), g.rms_norm_eps), post, comb
 
     def _experts(self, rank: RankStages, prefix: str, x: Tensor, ids: Tensor, weights: Tensor):
         w = rank.w
