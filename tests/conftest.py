@@ -30,6 +30,8 @@ QUICK = (
     ("glm5_kernels/test_dsa_attn_gpu.py", "test_a_captured_call_replays_like_eager", ""),
     ("glm5_kernels/test_dsa_indexer_gpu.py", "test_matches_the_reference", "8-3-4096"),
     ("glm5_kernels/test_dsa_kpool_gpu.py", "test_matches_the_reference", "16-4"),
+    ("glm5_kernels/test_dsa_latent_gpu.py", "test_matches_the_reference", "8"),
+    ("glm5_kernels/test_dsa_latent_gpu.py", "test_a_captured_call_replays_like_eager", ""),
     ("glm5_runtime/test_decode_gpu.py", "test_three_capture_sizes_with_draft_equal_stock", ""),
     # Hosts of 2+ GPUs only (multi_gpu): the NVLink exchanges.
     ("glm5_comm/test_allreduce_gpu.py", "test_gpus_hold_the_rank_order_sum", ""),

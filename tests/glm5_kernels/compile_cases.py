@@ -292,6 +292,18 @@ def kpool_cases(arch: int) -> int:
     return 1
 
 
+def latent_cases(arch: int) -> int:
+    """The MLA input norms and latent write at GLM-5.3-Flash's widths (q_a 1536, kv_a 512)."""
+    from glm5_kernels.dsa.triton_latent import latent_write_kernel
+
+    types = {"x_ptr": "*bf16", "q_w_ptr": "*bf16", "kv_w_ptr": "*bf16", "slot_ptr": "*i64",
+             "q_ptr": "*bf16", "latent_ptr": "*bf16", "stride_x": "i32", "eps": "fp32"}  # fmt: skip
+    constexprs = {"Q": 1536, "L": 512, "BQ": 2048, "BL": 512, "INTERPRETER": False, "PDL": True}
+    ptx = _compile(latent_write_kernel, types, constexprs, arch, num_warps=4)
+    assert "griddepcontrol.wait" in ptx and "st.local" not in ptx, "latent"
+    return 1
+
+
 if __name__ == "__main__":
     arch = int(sys.argv[1])
     print(f"triton {os.path.dirname(os.path.dirname(triton.__file__))} {triton.__version__}")
@@ -300,5 +312,5 @@ if __name__ == "__main__":
     print(f"sm{arch}: compiled {moe_cases(arch)} MoE kernels")
     print(f"sm{arch}: compiled {mhc_cases(arch)} mHC kernels")
     print(f"sm{arch}: compiled {kda_cases(arch)} KDA kernels")
-    dsa = dsa_cases(arch) + indexer_cases(arch) + kpool_cases(arch)
+    dsa = dsa_cases(arch) + indexer_cases(arch) + kpool_cases(arch) + latent_cases(arch)
     print(f"sm{arch}: compiled {dsa} DSA kernels")

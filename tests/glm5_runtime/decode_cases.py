@@ -7,6 +7,7 @@ from moe_routing import assert_routing
 from glm5_kernels.dsa import (
     index_topk_ref,
     kpool_write_ref,
+    latent_write_ref,
     sparse_mla_decode_ref,
     unpack_kpool_pages_ref,
 )
@@ -55,13 +56,17 @@ ALL_STAGES = {
 #   BF16 (the sums' order), which the state carries: 2^-7 for each row and state slot.
 # - Sparse MLA: BF16 output of FP32 softmax-weighted sums, 2^-7; the pool write's FP8 keys
 #   and queries as values, a code a step off where a BF16 rounding upstream was: 2^-4.
+# - The MLA input norms (LatentWrite: the normed q_a, the latent rows it wrote): the sum of
+#   squares in another order can move a normed value to the neighbouring BF16 and the weight
+#   multiply rounds again, at most 2 ulps an element: 2^-7 a row.
 # - The selection (IndexerTopk), the ring and the conv state (raw copies): exact.
 # The MoE layer's routing ("Routing") is checked apart: route_ref's pick from the kernel's own
 # logits, tie-tolerant (moe_routing.assert_routing), and those logits as a Router's.
 CALL_BOUND = {
     "Projection": 2**-7, "Router": 2**-15, "SharedExpert": 2**-4, "DenseMlp": 2**-4,
     "MoeLayer": 2**-4, "KdaDecode": 2**-7, "KdaState": 2**-7, "SparseMlaDecode": 2**-7,
-    "IndexerTopk": 0.0, "KpoolQueries": 2**-4, "KpoolPages": 2**-4,
+    "IndexerTopk": 0.0, "KpoolQueries": 2**-4, "KpoolPages": 2**-4, "LatentQuery": 2**-7,
+    "LatentRows": 2**-7,
 }  # fmt: skip
 
 
@@ -95,6 +100,8 @@ class Shadow:
             return self._kda(x, *args, **kw)
         if type(self.op).__name__ == "KpoolWrite":
             return self._kpool(x, *args, **kw)
+        if type(self.op).__name__ == "LatentWrite":
+            return self._latent(x, *args)
         if type(self.op).__name__ == "IndexerTopk":  # the selection: the same tokens
             y = self.op(x, *args, **kw)
             op = self.op
@@ -173,6 +180,16 @@ class Shadow:
         values = [kk.float() * sc[..., None] for kk, sc in keys]
         self.pairs.append(("KpoolPages", self.name, *values))
         return q8, qs
+
+    def _latent(self, q_a, kv_a, latent, slots):
+        """The input norms and latent write on the cache, `latent_write_ref` on a copy taken
+        before: the normed q_a and the latent rows written."""
+        op, latent_ref = self.op, latent.clone()
+        y = op(q_a, kv_a, latent, slots)
+        ref = latent_write_ref(q_a, kv_a, op.q_norm, op.kv_norm, op.eps, latent_ref, slots)
+        self.pairs.append(("LatentQuery", self.name, y, ref))
+        self.pairs.append(("LatentRows", self.name, latent[slots], latent_ref[slots]))
+        return y
 
     def _kda(self, qkv, f, b, gate, conv, rec, **place):
         """The fused KDA step on the caches, `kda_decode_ref` on copies taken before: the

@@ -89,7 +89,7 @@ def test_planned_steps_equal_stock(q):
     kinds = {op.__class__.__name__ for op, _ in decode.ops}
     assert kinds == {
         "Projection", "Router", "SharedExpert", "DenseMlp", "MoeLayer", "MhcBoundary", "KdaDecode",
-        "SparseMlaDecode", "IndexerTopk", "KpoolWrite",
+        "SparseMlaDecode", "IndexerTopk", "KpoolWrite", "LatentWrite",
     }  # fmt: skip
     assert decode.mhc is not None and decode.mhc_tokens == {q, q * q}
     assert decode.batches == [q, q * q]
@@ -182,6 +182,7 @@ def test_stage_that_cannot_build_warns_once_and_runs_stock(caplog):
         "SparseMlaDecode",
         "IndexerTopk",
         "KpoolWrite",
+        "LatentWrite",
     }
     routed = {name for _, name, _ in decode.routes[2]}
     assert not any(name.endswith((".mlp", ".shared_experts")) for name in routed)
@@ -219,6 +220,7 @@ def test_stage_that_cannot_compile_warns_once_and_runs_stock(caplog, monkeypatch
         "SparseMlaDecode",
         "IndexerTopk",
         "KpoolWrite",
+        "LatentWrite",
     }
     assert not any(name.endswith(".gate.weight") for _, name, _ in decode.routes[2])
     assert not any(type(op).__name__ == "MoeLayer" for _, _, op in decode.routes[2])
@@ -248,6 +250,7 @@ def test_draft_steps_equal_stock():
         "SparseMlaDecode",
         "IndexerTopk",
         "KpoolWrite",
+        "LatentWrite",
     }
     assert not any(type(op).__name__ == "Router" for _, _, op in draft.routes[2])  # in MoE
     routed = {name for _, name, _ in draft.routes[2]}

@@ -16,7 +16,8 @@ token count they serve runs, so every op without a stage stays the backbone's ow
     launch between the backbone's projections and o_proj, on the layer's caches and the
     step's neutral placement (route `self_attn.kda`);
   * `dsa_attn`: each MLA layer's attention over the indexer's selection and its value-up
-    (`SparseMlaDecode`); `dsa_kpool` (`KpoolWrite`: the pool write and query rotation) and
+    (`SparseMlaDecode`), and where the backbone offers them its q_a / kv_a RMSNorms and
+    latent write (`LatentWrite`); `dsa_kpool` (`KpoolWrite`: the pool write and query rotation) and
     `dsa_indexer` (`IndexerTopk`: pool scoring and top-k) on each layer with its own indexer
     (a shared-indexer layer reuses the previous selection).
 The others are called by the decode itself: `logits_head` (the skinny LM head of
@@ -42,7 +43,7 @@ import torch
 from torch import Tensor
 
 from glm5_comm import AllReduceBoundary, LogitsGather, MailboxWatch
-from glm5_kernels.dsa import IndexerTopk, KpoolWrite, SparseMlaDecode
+from glm5_kernels.dsa import IndexerTopk, KpoolWrite, LatentWrite, SparseMlaDecode
 from glm5_kernels.gemm import DenseMlp, Projection, Router
 from glm5_kernels.kda import KdaDecode
 from glm5_kernels.mhc import MhcBoundary
@@ -246,7 +247,9 @@ class LayerStages:
     def _dsa_attn(self, tokens: list[int]) -> None:
         """Each MLA layer's attention over the indexer's selection and its value-up as one
         `SparseMlaDecode` (two launches), between the absorbed query and o_proj (route
-        `self_attn.dsa_attn`); the value-up is the stage's second launch."""
+        `self_attn.dsa_attn`); the value-up is the stage's second launch. Where the backbone
+        offers them (`Mla.norm_eps`) and its norms are BF16, the layer's q_a / kv_a RMSNorms
+        and latent write too, as one `LatentWrite` launch (route `self_attn.latent`)."""
         b = self.backbone
         mla = b.mla
         if mla is None:
@@ -266,6 +269,14 @@ class LayerStages:
                 w_uv = w.view(w.shape[0] // split, split, w.shape[1])[:, mla.nope_dim :]
                 op = SparseMlaDecode(w_uv.to(torch.bfloat16), mla.scale, max_rows=max(tokens))
                 self._add(op, tokens, shard, f"{p}.dsa_attn")
+                if mla.norm_eps is None:
+                    continue
+                norms = [b.weight(shard, f"{p}.{n}_layernorm.weight") for n in ("q_a", "kv_a")]
+                if any(t is None for t in norms):
+                    raise ValueError(f"no {p}.q_a_layernorm.weight / kv_a_layernorm.weight")
+                if all(t.dtype == torch.bfloat16 for t in norms):  # else: the stock norms
+                    op = LatentWrite(*norms, mla.norm_eps, max_rows=max(tokens))
+                    self._add(op, tokens, shard, f"{p}.latent")
 
     def _indexers(self, stage: str):
         """(shard, prefix, its pool bias `index_kpool_compress_ape`) of every full indexer

@@ -47,6 +47,7 @@ _LAUNCH = ("cuda_runtime", "cuda_driver")
 _HOLDS = {
     ".kda": ("conv1d.", "forget_gate.dt_bias", "forget_gate.A_log", "o_norm."),
     ".dsa_attn": ("kv_b_proj.",),
+    ".latent": ("q_a_layernorm.", "kv_a_layernorm."),
     ".indexer.kpool": ("indexer.index_kpool_compress_ape",),
 }
 

@@ -69,11 +69,14 @@ class Kda:
 @dataclass(frozen=True)
 class Mla:
     """What the sparse MLA stage needs besides weights: the per-head split of kv_b_proj's
-    rows (nope key dims, then value dims) and the softmax scale."""
+    rows (nope key dims, then value dims) and the softmax scale; `norm_eps`: the q_a / kv_a
+    RMSNorms' eps where the backbone's MLA layers also take the stage's input norms and latent
+    write (route `self_attn.latent`), None where its modules run their own."""
 
     nope_dim: int
     v_dim: int
     scale: float
+    norm_eps: float | None = None
 
 
 @dataclass(frozen=True)
@@ -151,8 +154,12 @@ class Backbone(Protocol):
     # `layers.{i}.self_attn.dsa_attn` gets the absorbed query [N, H, L] BF16, the layer's
     # latent cache [blocks, block_size, L], the step's block table, each row's request and the
     # indexer's selected token positions [N, W] (-1: none), and returns the value-up output
-    # [N, H, v_dim] o_proj reads; its weight `layers.{i}.self_attn.kv_b_proj.weight`. None:
-    # the attention core stays stock.
+    # [N, H, v_dim] o_proj reads; its weight `layers.{i}.self_attn.kv_b_proj.weight`. With
+    # `Mla.norm_eps`, the route `layers.{i}.self_attn.latent` gets the fused q_a | kv_a
+    # output's two halves [N, Q], [N, L] (adjacent columns of the same rows), the latent
+    # cache as [slots, L] and each row's slot [N] int64, writes the normed kv_a there and
+    # returns the normed q_a [N, Q] (weights `q_a_layernorm.weight`, `kv_a_layernorm.weight`).
+    # None: the attention core stays stock.
     mla: Mla | None
     # Where the backbone's full indexer layers take the selection stage (seam 5): the route
     # `layers.{i}.self_attn.indexer.topk` gets the rotated FP8 queries [N, H, hd], their

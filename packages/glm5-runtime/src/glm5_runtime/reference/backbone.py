@@ -56,7 +56,8 @@ class ReferenceBackbone:
         # RankStages.kda routes `.kda` (f_a and g_a to an op projecting the gates itself).
         self.kda = Kda(g.linear_lower_bound, g.rms_norm_eps, low_rank_gates=True)
         scale = (g.qk_nope_head_dim + g.qk_rope_head_dim) ** -0.5
-        self.mla = Mla(g.qk_nope_head_dim, g.v_head_dim, scale)  # RankStages.mla: `.dsa_attn`
+        # RankStages.mla: `.dsa_attn`, and `.latent` (its input norms and latent write)
+        self.mla = Mla(g.qk_nope_head_dim, g.v_head_dim, scale, norm_eps=g.rms_norm_eps)
         pools = -(-model.max_context // model.block_size) * model.block_size // g.index_kpool
         self.indexer = Indexer(  # RankStages.indexer: `.kpool`, `.topk` (vLLM's FP8 pages)
             g.index_n_heads, g.index_head_dim, g.index_kpool, g.index_topk,

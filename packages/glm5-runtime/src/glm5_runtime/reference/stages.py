@@ -202,14 +202,20 @@ class RankStages:
         g, a = self.g, f"layers.{layer}.self_attn"
         R, T, _ = x.shape
         eps = g.rms_norm_eps
-        _, (q_a, kv_a) = self._parts(x, a, "fused_qkv_a_proj")
-        q_resid = rms_norm_ref(q_a, self.w[f"{a}.q_a_layernorm.weight"], eps)
+        whole, (q_a, kv_a) = self._parts(x, a, "fused_qkv_a_proj")
         heads = g.num_attention_heads // g.tp_size
         nope, vd, lora = g.qk_nope_head_dim, g.v_head_dim, g.kv_lora_rank
-        q = self.linear(q_resid, f"{a}.q_b_proj.weight").reshape(R, T, heads, nope)
-        kv = rms_norm_ref(kv_a, self.w[f"{a}.kv_a_layernorm.weight"], eps)
         latent = self.c.latent[layer].view(-1, lora)
-        latent[step.slots.reshape(-1)] = kv.reshape(-1, lora).to(latent.dtype)
+        write = self.routes.get(f"{a}.latent")  # the stage's input norms and latent write
+        if (write is not None and whole is not None and write.supports(R * T)
+                and x.dtype == latent.dtype == torch.bfloat16):  # fmt: skip
+            rows = q_a.reshape(R * T, -1), kv_a.reshape(R * T, -1)
+            q_resid = write(*rows, latent, step.slots.reshape(-1)).view(R, T, -1)
+        else:
+            q_resid = rms_norm_ref(q_a, self.w[f"{a}.q_a_layernorm.weight"], eps)
+            kv = rms_norm_ref(kv_a, self.w[f"{a}.kv_a_layernorm.weight"], eps)
+            latent[step.slots.reshape(-1)] = kv.reshape(-1, lora).to(latent.dtype)
+        q = self.linear(q_resid, f"{a}.q_b_proj.weight").reshape(R, T, heads, nope)
         if topk is None and f"{a}.indexer.wk.weight" in self.w:
             topk = self.indexer(layer, x, q_resid, step)
         if topk is None:
