@@ -126,11 +126,18 @@ def test_a_captured_vllm_step_replays_like_eager(kernels, monkeypatch):
             graph.replay()
             torch.cuda.synchronize()
     assert torch.equal(hidden, eager)
+
     # Bit for bit (a NaN equals its own bits, as torch.equal's NaN != NaN would not say):
     # each cache the replay left otherwise than the eager step, how many bytes, whether NaN.
+    # Not the pool pages' null block 0: every token that completes no pool writes its pool
+    # there (where vLLM skips the write), several a step in an order no replay need keep,
+    # and nothing reads it.
+    def bits(name, t):
+        return t[1:].view(torch.uint8) if name.startswith("kpool") else t.view(torch.uint8)
+
     differ = {
-        name: (int((t.view(torch.uint8) != a.view(torch.uint8)).sum()), bool(a.isnan().any()))
+        name: (int((bits(name, t) != bits(name, a)).sum()), bool(a.isnan().any()))
         for (name, t), a in zip(named.items(), after, strict=True)
-        if not torch.equal(t.view(torch.uint8), a.view(torch.uint8))
+        if not torch.equal(bits(name, t), bits(name, a))
     }
     assert not differ, differ
