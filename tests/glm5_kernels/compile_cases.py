@@ -297,7 +297,8 @@ def latent_cases(arch: int) -> int:
     from glm5_kernels.dsa.triton_latent import latent_write_kernel
 
     types = {"x_ptr": "*bf16", "q_w_ptr": "*bf16", "kv_w_ptr": "*bf16", "slot_ptr": "*i64",
-             "q_ptr": "*bf16", "latent_ptr": "*bf16", "stride_x": "i32", "eps": "fp32"}  # fmt: skip
+             "q_ptr": "*bf16", "latent_ptr": "*bf16", "stride_x": "i32", "stride_s": "i32",
+             "eps": "fp32"}  # fmt: skip
     constexprs = {"Q": 1536, "L": 512, "BQ": 2048, "BL": 512, "INTERPRETER": False, "PDL": True}
     ptx = _compile(latent_write_kernel, types, constexprs, arch, num_warps=4)
     assert "griddepcontrol.wait" in ptx and "st.local" not in ptx, "latent"

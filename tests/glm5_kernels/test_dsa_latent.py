@@ -36,7 +36,8 @@ def _case(n, q, ld, gen, extra=5):
 def test_matches_the_reference(n, q, ld):
     gen = torch.Generator().manual_seed(n * q + ld)
     x, q_norm, kv_norm = _case(n, q, ld, gen)
-    slots = torch.randperm(4 * n + 3, generator=gen)[:n]
+    # The slots as a column of a wider tensor (a draft step's are a column of its verify's).
+    slots = torch.randperm(4 * n + 3, generator=gen)[: 2 * n].view(n, 2)[:, 1]
     latent = torch.full((4 * n + 3, ld), float("nan")).bfloat16()
     want_latent = latent.clone()
     want = latent_write_ref(x[:, :q], x[:, q : q + ld], q_norm, kv_norm, 1e-5, want_latent,

@@ -56,12 +56,14 @@ class LatentWrite:
     def __call__(self, q_a: Tensor, kv_a: Tensor, latent: Tensor, slots: Tensor) -> Tensor:
         """q_a [N, Q] and kv_a [N, L] BF16, columns of one tensor's rows (the fused q_a | kv_a
         projection's output: kv_a starting where q_a ends), latent [S, L] BF16 (written at
-        `slots` [N] int64, each in range) -> the normed q_a [N, Q] BF16."""
+        `slots` [N] int64, each in range; any stride: a draft step's are a column of its
+        verify's) -> the normed q_a [N, Q] BF16."""
         self._check(q_a, kv_a, latent, slots)
         n = q_a.shape[0]
         out = torch.empty(n, self.q_dim, dtype=torch.bfloat16, device=q_a.device)
         self._kernel[(n,)](
-            q_a, self.q_norm, self.kv_norm, slots, out, latent, q_a.stride(0), self.eps,
+            q_a, self.q_norm, self.kv_norm, slots, out, latent, q_a.stride(0), slots.stride(0),
+            self.eps,
             Q=self.q_dim, L=self.latent_dim, BQ=next_pow2(self.q_dim),
             BL=next_pow2(self.latent_dim), INTERPRETER=self._interp, PDL=self._pdl,
             num_warps=4, launch_pdl=self._pdl,

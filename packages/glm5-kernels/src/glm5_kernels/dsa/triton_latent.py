@@ -25,10 +25,10 @@ def _normed(x, w, D: tl.constexpr, eps, INTERPRETER: tl.constexpr):
 def latent_write_kernel(
     x_ptr,  # [N, >= Q + L] BF16: q_a | kv_a per row (row stride stride_x, unit columns)
     q_w_ptr, kv_w_ptr,  # [Q], [L] BF16: q_a_layernorm, kv_a_layernorm
-    slot_ptr,  # [N] int64: each row's latent slot (block * block_size + offset)
+    slot_ptr,  # [N] int64, stride stride_s: each row's latent slot (block * block_size + offset)
     q_ptr,  # [N, Q] BF16 out: the normed q_a
     latent_ptr,  # [slots, L] BF16, written at the rows' slots
-    stride_x, eps,
+    stride_x, stride_s, eps,
     Q: tl.constexpr, L: tl.constexpr, BQ: tl.constexpr, BL: tl.constexpr,
     INTERPRETER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -41,7 +41,7 @@ def latent_write_kernel(
     at = x_ptr + row * stride_x
     q = tl.load(at + cq, mask=cq < Q, other=0.0).to(tl.float32)
     kv = tl.load(at + Q + cl, mask=cl < L, other=0.0).to(tl.float32)
-    slot = tl.load(slot_ptr + row)
+    slot = tl.load(slot_ptr + row * stride_s)
     if PDL:
         gdc_launch_dependents()
     tl.store(q_ptr + row * Q + cq, _normed(q, wq, Q, eps, INTERPRETER), mask=cq < Q)
