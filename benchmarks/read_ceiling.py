@@ -34,8 +34,6 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, str(Path(__file__).parent))
 from provenance import provenance, result_args, write_result
@@ -43,6 +41,7 @@ from skinny_gemm import copies_for
 
 from glm5_kernels.gemm import Projection
 from glm5_kernels.gemm.shapes import flash_shapes
+from glm5_kernels.stream_read import stream_sum
 from glm5_kernels.timing import graph_calls_us, hbm_bandwidth
 
 K = 4096  # weights as [N, 4096] BF16 (the model's hidden size)
@@ -51,37 +50,11 @@ SCOPE = 20e6  # the goal's scope: weights of at least 20 MB
 ACTIVATIONS = 16 * 4096 * 2  # what a quantization launch reads at 16 tokens (BF16)
 
 
-@triton.jit
-def stream_read(w_ptr, out_ptr, n_elements, per_program, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Each program sums its contiguous `per_program` elements (a read with no reuse).
-    PDL: 0 off, 1 dependent (wait, then read), 2 independent (read, then wait to store)."""
-    if PDL:
-        gdc_launch_dependents()
-    if PDL == 1:
-        gdc_wait()
-    pid = tl.program_id(0)
-    start = pid.to(tl.int64) * per_program
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for off in range(0, per_program, BLOCK):
-        idx = start + off + tl.arange(0, BLOCK)
-        acc += tl.load(w_ptr + idx, mask=idx < n_elements, other=0.0).to(tl.float32)
-    if PDL == 2:
-        gdc_wait()
-    tl.store(out_ptr + pid, tl.sum(acc))
-
-
 def read_fn(w: torch.Tensor, programs: int, block: int, pdl: int = 0):
-    per = triton.cdiv(triton.cdiv(w.numel(), programs), block) * block
-    grid = (triton.cdiv(w.numel(), per),)
-    out = torch.empty(grid[0], dtype=torch.float32, device=w.device)
-
-    def fn():
-        stream_read[grid](
-            w, out, w.numel(), per, BLOCK=block, PDL=pdl, num_warps=8, launch_pdl=pdl > 0
-        )
-        return out
-
-    return fn, out
+    """A call of the plain streaming read (`glm5_kernels.stream_read`) over w, and its
+    output buffer."""
+    out = torch.empty(programs, dtype=torch.float32, device=w.device)
+    return (lambda: stream_sum(w, programs, block, out=out, pdl=pdl)), out
 
 
 def launches(kind: str, n: int, k: int) -> list[int]:
