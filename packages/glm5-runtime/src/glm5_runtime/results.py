@@ -46,17 +46,8 @@ def plot(result_paths: list[str], out: str) -> None:
 
 
 def _load(path: str) -> dict:
-    """A results file, its torch stock named as it is now (files before the rename call it
-    `library`)."""
     with open(path) as f:
-        r = json.load(f)
-    for row in r["rows"]:
-        for key in [k for k in row if "library" in k]:
-            row[key.replace("library", "torch")] = row.pop(key)
-        for per_side in (row[k] for k in ("nodes", "stages_ms", "marked_ms") if k in row):
-            if "library" in per_side:
-                per_side["torch"] = per_side.pop("library")
-    return r
+        return json.load(f)
 
 
 def table(result_paths: list[str]) -> str:
