@@ -26,7 +26,8 @@ the mix GEMM x @ fn.T over the FP32 streams and their square sums in torch (AITE
 `mhc_pre_gemm_sqrsum` is a HIP kernel; one split), the pre gate by `mhc_pre_mix_triton`, the
 post gate and comb (softmax, Sinkhorn) in torch from the same GEMM scaled by rstd, as
 vLLM's `mhc_pre_torch` computes them (AITER's `mhc_pre_big_fuse` is HIP; vLLM ships no
-Triton Sinkhorn), the collapse by `hc_collapse_triton`. The RMSNorm after it is the
+Triton Sinkhorn; the same iteration as the reference's, so its `sinkhorn_ref`), the collapse by
+`hc_collapse_triton`. The RMSNorm after it is the
 reference's (the stock's "norms").
 
 Stays the reference's torch, and why:
@@ -51,6 +52,8 @@ from types import SimpleNamespace
 
 import torch
 from torch import Tensor
+
+from glm5_kernels.mhc.reference import sinkhorn_ref
 
 __all__ = ["NAMES", "SOURCE", "hc_weights", "mhc_pre"]
 
@@ -92,10 +95,6 @@ def mhc_pre(
                                  hc_eps)  # fmt: skip
     mixes = gemm * torch.rsqrt(sqrsum[:, None] / (h * d) + rms_eps)
     post = torch.sigmoid(mixes[:, h : 2 * h] * scale[1] + base[h : 2 * h]) * post_mult
-    comb = mixes[:, 2 * h :].view(t, h, h) * scale[2] + base[2 * h :].view(h, h)
-    comb = torch.softmax(comb, dim=-1) + hc_eps
-    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    logits = mixes[:, 2 * h :].view(t, h, h) * scale[2] + base[2 * h :].view(h, h)
+    comb = sinkhorn_ref(logits, hc_eps, sinkhorn_iters)
     return post, comb, mhc.hc_collapse_triton(streams, pre)

@@ -57,12 +57,19 @@ def hc_mix_ref(
 
     pre = torch.sigmoid(m_pre * s_pre + b_pre) + hc_eps
     post = 2.0 * torch.sigmoid(m_post * s_post + b_post)
-    comb = torch.softmax(m_comb.view(t, h, h) * s_comb + b_comb.view(h, h), dim=-1) + hc_eps
+    comb = sinkhorn_ref(m_comb.view(t, h, h) * s_comb + b_comb.view(h, h), hc_eps, sinkhorn_iters)
+    return pre, post, comb
+
+
+def sinkhorn_ref(logits: Tensor, hc_eps: float, sinkhorn_iters: int) -> Tensor:
+    """The mixer from its logits [T, H, H] (FP32): row softmax + hc_eps, then Sinkhorn in
+    transformers' order (columns first, 2 * iters - 1 normalizations, eps in each)."""
+    comb = torch.softmax(logits, dim=-1) + hc_eps
     comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
     for _ in range(sinkhorn_iters - 1):
         comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-    return pre, post, comb
+    return comb
 
 
 def hc_pre_ref(
