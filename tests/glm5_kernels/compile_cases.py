@@ -259,7 +259,8 @@ def indexer_cases(arch: int) -> int:
              "score_ptr": "*fp32", "pool_ptr": "*i32", "count_ptr": "*i32", "out_ptr": "*i32",
              "weight_scale": "fp32",
              **{n: "i32" for n in ("P", "S", "stride_pb", "per_split", "count", "width",
-                                   "stride_qn", "stride_qh", "stride_wn", "stride_bt",
+                                   "stride_qn", "stride_qh", "stride_sn", "stride_wn",
+                                   "stride_bt",
                                    "stride_on")},
              }  # fmt: skip
     constexprs = {"IH": 32, "H": 32, "HD": 128, "KP": 16, "BP": BP, "PMAX": 8192, "BC": BC,
@@ -273,23 +274,28 @@ def indexer_cases(arch: int) -> int:
 
 
 def kpool_cases(arch: int) -> int:
-    """The indexer's pool write at GLM-5.3-Flash's shapes (32 heads of 128, pools of 16)."""
+    """The indexer's pool write at GLM-5.3-Flash's shapes (32 heads of 128, pools of 16):
+    on normed BF16 keys, and on the one projection's FP32 sums (RAW: the key norm inside)."""
     from glm5_kernels.dsa.triton_kpool import kpool_write_kernel
 
-    types = {"k_ptr": "*bf16", "g_ptr": "*bf16", "q_ptr": "*bf16", "tail_ptr": "*bf16",
-             "page_ptr": "*u8", "pscale_ptr": "*fp32", "ape_ptr": "*bf16", "sign_ptr": "*bf16",
-             "bt_ptr": "*i32", "pos_ptr": "*i32", "trow_ptr": "*i32", "q8_ptr": "*fp8e4nv",
-             "qs_ptr": "*fp32", "had_scale": "fp32",
-             **{n: "i32" for n in ("T", "ring", "S", "stride_pb", "block_size", "stride_k",
-                                   "stride_g", "stride_qn", "stride_qh", "stride_tr",
-                                   "stride_tc", "stride_bt")},
-             }  # fmt: skip
-    constexprs = {"IH": 32, "H": 32, "HD": 128, "KP": 16, "INTERPRETER": False, "PDL": True}
-    ptx = _compile(kpool_write_kernel, types, constexprs, arch, num_warps=4)
-    assert "griddepcontrol.wait" in ptx and "st.local" not in ptx, "kpool"
-    if arch == 90:  # the Hadamard rotations on the tensor cores
-        assert "mma" in ptx, "kpool"
-    return 1
+    for raw in (False, True):
+        given = "*fp32" if raw else "*bf16"
+        types = {"k_ptr": given, "g_ptr": given, "q_ptr": "*bf16", "tail_ptr": "*bf16",
+                 "page_ptr": "*u8", "pscale_ptr": "*fp32", "ape_ptr": "*bf16",
+                 "sign_ptr": "*bf16", "nw_ptr": "*fp32", "nb_ptr": "*fp32", "bt_ptr": "*i32",
+                 "pos_ptr": "*i32", "trow_ptr": "*i32", "q8_ptr": "*fp8e4nv", "qs_ptr": "*fp32",
+                 "had_scale": "fp32", "eps": "fp32",
+                 **{n: "i32" for n in ("T", "ring", "S", "stride_pb", "block_size", "stride_k",
+                                       "stride_g", "stride_qn", "stride_qh", "stride_tr",
+                                       "stride_tc", "stride_bt")},
+                 }  # fmt: skip
+        constexprs = {"IH": 32, "H": 32, "HD": 128, "KP": 16, "RAW": raw, "INTERPRETER": False,
+                      "PDL": True}  # fmt: skip
+        ptx = _compile(kpool_write_kernel, types, constexprs, arch, num_warps=4)
+        assert "griddepcontrol.wait" in ptx and "st.local" not in ptx, ("kpool", raw)
+        if arch == 90:  # the Hadamard rotations on the tensor cores
+            assert "mma" in ptx, ("kpool", raw)
+    return 2
 
 
 def latent_cases(arch: int) -> int:

@@ -1,8 +1,8 @@
 """IndexerTopk (Triton, under the interpreter on CPU) against index_topk_ref: rows of several
 requests over scattered blocks of packed pages (vLLM's block stride), positions at every
 tail length, contexts shorter than top-k (every visible pool selected, -1 picks after them),
-tied scores (the earlier pool wins), several scoring splits and one, outputs poisoned; bad
-input is one error."""
+tied scores (the earlier pool wins), several scoring splits and one, head weights at a row
+stride of their own, outputs poisoned; bad input is one error."""
 
 import pytest
 import torch
@@ -31,7 +31,9 @@ def _case(gen, heads, hd, s, blocks, requests, rows, positions, tie=False):
     per = blocks // requests
     table = torch.randperm(blocks, generator=gen)[: requests * per].view(requests, per).int()
     q8, q_scale = rotate_quant_fp8_ref(torch.randn(rows, heads, hd, generator=gen))
-    weights = torch.randn(rows, heads, generator=gen)
+    # The head weights as the decode hands them: columns of the indexer's one projection
+    # (wk | gate | weights_proj sums), a row stride of their own.
+    weights = torch.randn(rows, 24 + heads, generator=gen)[:, 24:]
     request = torch.arange(rows) % requests
     return q8, q_scale, weights, pages, table, request.int(), torch.tensor(positions).int()
 

@@ -7,12 +7,16 @@ The ring holds raw copies (exact). The pool keys and the queries pass a Hadamard
 FP32 and, for the pools, a softmax whose exp differs from torch's in the last bits; the BF16
 rounding after them may then land on a neighbour, and the FP8 code after that: each
 dequantized vector within 2^-4 of the reference's (half an e4m3 step), the scales equal on
-all but a few rows (a power of two moves only where the amax sits on the boundary)."""
+all but a few rows (a power of two moves only where the amax sits on the boundary).
+`sums`: the keys and gate scores as the indexer's one FP32 projection gives them (columns of
+[rows, 2 * 128 + 32]), normed and rounded inside the write against `index_keys_ref`: the
+gate half of the ring exact, a key element a BF16 step off where the LayerNorm's sum order
+moved its rounding."""
 
 import pytest
 import torch
 
-from glm5_kernels.dsa import KpoolWrite, kpool_write_ref, unpack_kpool_pages_ref
+from glm5_kernels.dsa import KpoolWrite, index_keys_ref, kpool_write_ref, unpack_kpool_pages_ref
 
 pytestmark = pytest.mark.gpu
 
@@ -43,16 +47,31 @@ def _close(a, b):
     assert bool((err <= 2**-4).all()), err.max()
 
 
+@pytest.mark.parametrize("sums", [False, True], ids=["keys", "sums"])
 @pytest.mark.parametrize("requests, t", [(1, 1), (8, 1), (64, 1), (2, 4), (16, 4)])
-def test_matches_the_reference(requests, t):
+def test_matches_the_reference(requests, t, sums):
     k, gate, q, tail, pages, ape, table, positions, rows = _case(requests, t, requests * t)
-    op = KpoolWrite(H, HD, ape, kpool=KP, block_size=BS, max_rows=64)
+    norm = None
+    if sums:  # the projection's FP32 sums, vLLM's FP32 key norm
+        gen = torch.Generator("cuda").manual_seed(t)
+        out = torch.randn(requests, t, 2 * HD + 32, generator=gen, device="cuda") * 3 + 0.5
+        k, gate = out[..., :HD], out[..., HD : 2 * HD]
+        norm = (torch.rand(HD, generator=gen, device="cuda") + 0.5,
+                torch.randn(HD, generator=gen, device="cuda") * 0.1, 1e-6)  # fmt: skip
+    op = KpoolWrite(H, HD, ape, kpool=KP, block_size=BS, max_rows=64, key_norm=norm)
     op.prepare()
     tail_ref, pages_ref, tail0, pages0 = tail.clone(), pages.clone(), tail.clone(), pages.clone()
     q8, qs = op(k, gate, q, tail, pages, table, positions, rows)
-    q8_ref, qs_ref = kpool_write_ref(k, gate, q, tail_ref, pages_ref, ape, table, positions,
+    keys = index_keys_ref(k, gate, *norm) if sums else (k, gate)
+    q8_ref, qs_ref = kpool_write_ref(*keys, q, tail_ref, pages_ref, ape, table, positions,
                                      rows, BS)  # fmt: skip
-    assert torch.equal(tail, tail_ref)
+    if sums:
+        assert torch.equal(tail[:, 1], tail_ref[:, 1])
+        step = (tail[:, 0].float() - tail_ref[:, 0].float()).abs()
+        assert bool((step <= tail_ref[:, 0].float().abs() * 2**-8).all())
+        assert (step == 0).float().mean() > 0.98
+    else:
+        assert torch.equal(tail, tail_ref)
     _close(q8.float() * qs[..., None], q8_ref.float() * qs_ref[..., None])
     assert (qs != qs_ref).float().mean() <= 0.01
     got, want = (unpack_kpool_pages_ref(x[1:]) for x in (pages, pages_ref))

@@ -5,6 +5,7 @@ import torch
 from moe_routing import assert_routing
 
 from glm5_kernels.dsa import (
+    index_keys_ref,
     index_topk_ref,
     kpool_write_ref,
     latent_write_ref,
@@ -59,6 +60,9 @@ ALL_STAGES = {
 # - The MLA input norms (LatentWrite: the normed q_a, the latent rows it wrote): the sum of
 #   squares in another order can move a normed value to the neighbouring BF16 and the weight
 #   multiply rounds again, at most 2 ulps an element: 2^-7 a row.
+# - The indexer's one projection (IndexerInputs: wk | gate | weights_proj, FP32 sums): as the
+#   Router, 2^-15. The ring's keys where the write norms them (KpoolTailNormed): the LayerNorm
+#   in another sum order may move an element to its neighbouring BF16: 2^-8 a slot.
 # - The selection (IndexerTopk), the ring and the conv state (raw copies): exact.
 # The MoE layer's routing ("Routing") is checked apart: route_ref's pick from the kernel's own
 # logits, tie-tolerant (moe_routing.assert_routing), and those logits as a Router's.
@@ -66,7 +70,7 @@ CALL_BOUND = {
     "Projection": 2**-7, "Router": 2**-15, "SharedExpert": 2**-4, "DenseMlp": 2**-4,
     "MoeLayer": 2**-4, "KdaDecode": 2**-7, "KdaState": 2**-7, "SparseMlaDecode": 2**-7,
     "IndexerTopk": 0.0, "KpoolQueries": 2**-4, "KpoolPages": 2**-4, "LatentQuery": 2**-7,
-    "LatentRows": 2**-7,
+    "LatentRows": 2**-7, "IndexerInputs": 2**-15, "KpoolTailNormed": 2**-8,
 }  # fmt: skip
 
 
@@ -95,6 +99,10 @@ class Shadow:
     def low_rank(self):  # KdaDecode's: the route hands it f_a and g_a
         return getattr(self.op, "low_rank", False)
 
+    @property
+    def key_norm(self):  # KpoolWrite's: the route hands it the indexer projection's sums
+        return getattr(self.op, "key_norm", None)
+
     def __call__(self, x, *args, **kw):
         if type(self.op).__name__ == "KdaDecode":
             return self._kda(x, *args, **kw)
@@ -119,6 +127,13 @@ class Shadow:
         y = self.op(x)
         routes, self.rank.routes = self.rank.routes, {}  # the stock op, this once
         try:
+            if self.name.endswith(".indexer.inputs"):  # wk | gate | weights_proj, FP32 sums
+                p = self.name.removesuffix("inputs")
+                parts = ("wk.weight", "index_kpool_compress_gate", "weights_proj.weight")
+                ref = torch.cat([torch.nn.functional.linear(x.float(), self.rank.w[p + n].float())
+                                 for n in parts], dim=-1)  # fmt: skip
+                self.pairs.append(("IndexerInputs", self.name, y, ref))
+                return y
             if self.name.endswith(".gate.weight"):
                 ref = torch.nn.functional.linear(x.float(), self.rank.w[self.name].float())
             elif self.name.endswith(".weight"):
@@ -171,11 +186,15 @@ class Shadow:
         on its neighbour where a BF16 rounding upstream did: 2^-4, as the FP8 MLPs)."""
         op, tail_ref, pages_ref = self.op, tail.clone(), pages.clone()
         q8, qs = op(k, gate, q, tail, pages, block_table, positions, tail_rows)
+        ring = "KpoolTail"
+        if op.key_norm is not None:  # the projection's sums: normed and rounded in the write
+            k, gate = index_keys_ref(k, gate, *op.key_norm)
+            ring = "KpoolTailNormed"
         q8_ref, qs_ref = kpool_write_ref(k, gate, q, tail_ref, pages_ref, op.ape, block_table,
                                          positions, tail_rows, op.block_size)  # fmt: skip
         self.pairs.append(("KpoolQueries", self.name, q8.float() * qs[..., None],
                            q8_ref.float() * qs_ref[..., None]))  # fmt: skip
-        self.pairs.append(("KpoolTail", self.name, tail.clone(), tail_ref))
+        self.pairs.append((ring, self.name, tail.clone(), tail_ref))
         keys = [unpack_kpool_pages_ref(x[1:]) for x in (pages, pages_ref)]  # not the null block
         values = [kk.float() * sc[..., None] for kk, sc in keys]
         self.pairs.append(("KpoolPages", self.name, *values))

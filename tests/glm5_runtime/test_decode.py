@@ -125,6 +125,8 @@ def test_planned_steps_equal_stock(q):
         parts = {n.rsplit(".", 2)[-2] for n in routed if ".self_attn." in n}
         assert {"fused_qkv_a_proj", "in_proj_qkvbfg_a"} <= parts, parts
         assert not parts & {"q_proj", "k_proj", "v_proj", "q_a_proj", "kv_a_proj_with_mqa"}
+        # The indexers' wk | gate | weights_proj as one projection, normed in the pool write.
+        assert {"indexer.inputs", "indexer.kpool"} <= {n.split(".", 3)[-1] for n in routed}
         check_calls(pairs, calls)
         pairs.clear()
         if verify:

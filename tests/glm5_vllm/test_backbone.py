@@ -456,8 +456,9 @@ def test_indexer_routes_run_the_pool_write_and_selection_in_vllms_indexer(built,
     vLLM's projections, `KpoolWrite` and `IndexerTopk` (Triton interpreter) on the bound
     caches: the ring and pages as `kpool_write_ref` writes them from the checkpoint's
     projections, the padding request writing nothing, and the top-k buffer's rows
-    `index_topk_ref`'s selection (-1 past its columns); a prefill runs vLLM's forward; one
-    op alone installs nothing."""
+    `index_topk_ref`'s selection (-1 past its columns); the same with the input route (one
+    FP32 projection of vLLM's wk | weights_proj rows and the gate, the key norm inside the
+    write); a prefill runs vLLM's forward; one op alone installs nothing."""
     import torch.nn.functional as F
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import create_forward_context, override_forward_context
@@ -491,7 +492,7 @@ def test_indexer_routes_run_the_pool_write_and_selection_in_vllms_indexer(built,
         monkeypatch.setattr(m.tail_cache, "kv_cache", tail, raising=False)
     b = _backbone(built)
     max_pools = indexers[0].max_pool_len
-    assert b.indexer == Indexer(h, hd, kp, topk, True, max_pools, bs)
+    assert b.indexer == Indexer(h, hd, kp, topk, True, max_pools, bs, key_norm_eps=1e-6)
     i = mla[0]
     p = f"layers.{i}.self_attn.indexer"
     indexer = indexers[0]
@@ -568,17 +569,44 @@ def test_indexer_routes_run_the_pool_write_and_selection_in_vllms_indexer(built,
                 tail_rows,
                 bs,
             )
-            assert _rel(tail, tail_ref) < 2**-8 and torch.equal(tail[0], tail_before[0])
-            got, want = unpack_kpool_pages_ref(pages[1:]), unpack_kpool_pages_ref(pages_ref[1:])
-            deq = [kk.float() * sc[..., None] for kk, sc in (got, want)]
-            assert _rel(deq[0], deq[1]) < 2**-5  # FP8 codes of BF16 neighbours at most
-            assert torch.equal(pages[0], pages_before[0])  # the padding request: nothing
-            rows = index_topk_ref(q8.view(n, h, hd), q_scale.view(n, h), weights, pages,
-                                  table, torch.arange(r).repeat_interleave(t), positions,
-                                  topk=topk, kpool=kp, tail=True, width=width)  # fmt: skip
-            live = 2 * t  # the padding request's rows select from the null blocks
-            assert torch.equal(buffer[:live, :width].long(), rows[:live])
-            assert (buffer[:n, width:] == -1).all() and (buffer[n] == 12345).all()
+
+            def check():
+                assert _rel(tail, tail_ref) < 2**-8 and torch.equal(tail[0], tail_before[0])
+                got = unpack_kpool_pages_ref(pages[1:])
+                want = unpack_kpool_pages_ref(pages_ref[1:])
+                deq = [kk.float() * sc[..., None] for kk, sc in (got, want)]
+                assert _rel(deq[0], deq[1]) < 2**-5  # FP8 codes of BF16 neighbours at most
+                assert torch.equal(pages[0], pages_before[0])  # the padding request: nothing
+                rows = index_topk_ref(q8.view(n, h, hd), q_scale.view(n, h), weights, pages,
+                                      table, torch.arange(r).repeat_interleave(t), positions,
+                                      topk=topk, kpool=kp, tail=True, width=width)  # fmt: skip
+                live = 2 * t  # the padding request's rows select from the null blocks
+                assert torch.equal(buffer[:live, :width].long(), rows[:live])
+                assert (buffer[:n, width:] == -1).all() and (buffer[n] == 12345).all()
+
+            check()
+            # With the input route: one FP32 projection over [wk; gate; weights_proj] (vLLM's
+            # rows: the checkpoint's) and the key norm inside the pool write, the same again.
+            from glm5_kernels.gemm import Projection
+
+            parts = ("wk.weight", "index_kpool_compress_gate", "weights_proj.weight")
+            stacked = torch.cat([b.weight(0, f"{p}.{n}") for n in parts])
+            assert torch.equal(stacked.float(), torch.cat([w[n] for n in parts]))
+            norm = (*(b.weight(0, f"{p}.k_norm.{n}") for n in ("weight", "bias")), 1e-6)
+            raw = KpoolWrite(h, hd, ape, kpool=kp, block_size=bs, max_rows=9, key_norm=norm)
+            b.route(0, f"{p}.kpool", raw)
+            assert "forward" not in vars(indexer)  # a write of sums needs its projection
+            b.route(0, f"{p}.inputs", Projection(stacked, max_tokens=9, out_dtype=torch.float32))
+            assert "forward" in vars(indexer)
+            tail.copy_(tail_before)
+            pages.copy_(pages_before)
+            buffer[: n + 1] = 12345
+            with override_forward_context(create_forward_context(metadata(0), vllm_config)):
+                indexer(x, qr, torch.cat([positions, positions[:1]]), None)
+            check()
+            b.route(0, f"{p}.inputs", None)
+            assert "forward" not in vars(indexer)
+            b.route(0, f"{p}.kpool", kpool)
             # The step's placement is computed once for all its indexers (shared metadata).
             import glm5_vllm.indexer as indexer_module
 
@@ -587,7 +615,7 @@ def test_indexer_routes_run_the_pool_write_and_selection_in_vllms_indexer(built,
             shared = {indexer.k_cache.prefix: md, indexer.tail_cache.prefix: tail_md,
                       second.k_cache.prefix: md, second.tail_cache.prefix: tail_md}  # fmt: skip
             with override_forward_context(create_forward_context(shared, vllm_config)):
-                places = [indexer_module._placement(m, positions, kpool, select)
+                places = [indexer_module._placement(m, positions, kpool, select, None)
                           for m in (indexer, second)]  # fmt: skip
             assert places[0] is not None and places[0] is places[1]
             # A prefill in the step: vLLM's own forward (recorded: its kernels are GPU-only).

@@ -17,9 +17,11 @@ token count they serve runs, so every op without a stage stays the backbone's ow
     step's neutral placement (route `self_attn.kda`);
   * `dsa_attn`: each MLA layer's attention over the indexer's selection and its value-up
     (`SparseMlaDecode`), and where the backbone offers them its q_a / kv_a RMSNorms and
-    latent write (`LatentWrite`); `dsa_kpool` (`KpoolWrite`: the pool write and query rotation) and
-    `dsa_indexer` (`IndexerTopk`: pool scoring and top-k) on each layer with its own indexer
-    (a shared-indexer layer reuses the previous selection).
+    latent write (`LatentWrite`); `dsa_kpool` (`KpoolWrite`: the pool write and query
+    rotation; where the backbone offers it, the key / gate / head-weight projection before it
+    as one FP32 `Projection`, the key norm inside the write) and `dsa_indexer` (`IndexerTopk`:
+    pool scoring and top-k) on each layer with its own indexer (a shared-indexer layer reuses
+    the previous selection).
 The others are called by the decode itself: `logits_head` (the skinny LM head of
 `compute_logits`), `logits_gather` (the logits' all-gather through mailboxes where the vocab
 shards live in other processes) and `boundary`, which replaces the loop's mHC boundaries
@@ -294,12 +296,40 @@ class LayerStages:
 
     def _dsa_kpool(self, tokens: list[int]) -> None:
         """Each full indexer layer's pool write (ring, compressed FP8 pool keys) and query
-        rotation as one `KpoolWrite` launch (route `self_attn.indexer.kpool`)."""
+        rotation as one `KpoolWrite` launch (route `self_attn.indexer.kpool`). Where the
+        backbone offers it (`Indexer.key_norm_eps`), the key, gate score and head weights
+        before it as one FP32 `Projection` over [wk; compress gate; weights_proj] (route
+        `.indexer.inputs`; the head weights are the selection's FP32 columns), the key norm
+        and the BF16 roundings inside the write: two launches for a dozen stock kernels."""
         ix = self.backbone.indexer
         for shard, p, ape in self._indexers("dsa_kpool"):
+            norm = None
+            if ix.key_norm_eps is not None:
+                weight, norm = self._indexer_inputs(shard, p, ix.key_norm_eps)
+                self._add(Projection(weight, tokens, out_dtype=torch.float32), tokens, shard,
+                          f"{p}.inputs")  # fmt: skip
             op = KpoolWrite(ix.heads, ix.head_dim, ape, kpool=ix.kpool, block_size=ix.block_size,
-                            max_rows=max(tokens))  # fmt: skip
+                            max_rows=max(tokens), key_norm=norm)  # fmt: skip
             self._add(op, tokens, shard, f"{p}.kpool")
+
+    def _indexer_inputs(self, shard: int, p: str, eps: float):
+        """[wk; compress gate; weights_proj] as one BF16 weight (a copy: the backbone keeps
+        them apart; 2.4 MB a layer) and the key norm (weight, bias, eps)."""
+        names = [f"{p}.wk.weight", f"{p}.index_kpool_compress_gate", f"{p}.weights_proj.weight",
+                 f"{p}.k_norm.weight", f"{p}.k_norm.bias"]  # fmt: skip
+        w = [self.backbone.weight(shard, n) for n in names]
+        missing = [n for n, t in zip(names, w, strict=True) if t is None]
+        if missing:
+            raise ValueError(f"no {', '.join(missing)}")
+        parts, (norm_w, norm_b) = w[:3], w[3:]
+        bad = [
+            f"{n}: {t.dtype} {tuple(t.shape)}"
+            for n, t in zip(names, parts, strict=False)
+            if t.dtype != torch.bfloat16 or t.dim() != 2 or t.shape[1] != parts[0].shape[1]
+        ]
+        if bad:
+            raise ValueError(f"BF16 [N, hidden] indexer projections expected: {'; '.join(bad)}")
+        return torch.cat(parts), (norm_w, norm_b, eps)
 
     def _dsa_indexer(self, tokens: list[int]) -> None:
         """Each full indexer layer's pool scoring and top-k selection as one `IndexerTopk`

@@ -49,7 +49,9 @@ _HOLDS = {
     ".dsa_attn": ("kv_b_proj.",),
     ".latent": ("q_a_layernorm.", "kv_a_layernorm."),
     ".indexer.kpool": ("indexer.index_kpool_compress_ape",),
-}
+    ".indexer.inputs": ("indexer.wk.", "indexer.index_kpool_compress_gate",
+                        "indexer.weights_proj.", "indexer.k_norm."),
+}  # fmt: skip
 
 
 class _Named:

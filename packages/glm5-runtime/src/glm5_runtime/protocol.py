@@ -84,7 +84,9 @@ class Indexer:
     """What the indexer's pool write and selection stages need: its heads and head dim,
     tokens a pool, tokens selected, whether the incomplete last pool is always selected (its
     kpool - 1 tokens follow), the most pools a request's block table holds, and the cache's
-    tokens a block."""
+    tokens a block. `key_norm_eps`: the key LayerNorm's eps where the backbone's indexers also
+    take one FP32 projection of wk | compress gate | weights_proj (route `indexer.inputs`)
+    and a pool write that norms the key itself; None where its modules project their own."""
 
     heads: int
     head_dim: int
@@ -93,6 +95,7 @@ class Indexer:
     tail: bool
     max_pools: int
     block_size: int
+    key_norm_eps: float | None = None
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ weights), the MoE gate (cast to the gate's output dtype), or an MLP block. The K
 (`layers.{i}.self_attn.kda`) shadows the KDA layer's forward (`kda.kda_forward`); the
 sparse MLA route (`layers.{i}.self_attn.dsa_attn`) the MLA attention's decode core
 (`mla.install_sparse_mla`); the indexer routes (`layers.{i}.self_attn.indexer.kpool` and
-`.topk`, both needed) the indexer's forward (`indexer.install_indexer`).
+`.topk`, both needed, and `.inputs` where the pool write takes its sums) the indexer's
+forward (`indexer.install_indexer`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ FUSED = {
     "q_proj": ("in_proj_qkvbfg_a", 0),
     "k_proj": ("in_proj_qkvbfg_a", 1),
     "v_proj": ("in_proj_qkvbfg_a", 2),
+    "wk": ("wk_weights_proj", 0),  # the indexer's
+    "weights_proj": ("wk_weights_proj", 1),
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
@@ -355,12 +358,12 @@ class VllmBackbone:
 
     # Routes.
     def route(self, shard: int, name: str, op: Any) -> None:
-        if name.endswith((".self_attn.indexer.kpool", ".self_attn.indexer.topk")):
+        if name.endswith(tuple(f".self_attn.indexer.{k}" for k in ("kpool", "topk", "inputs"))):
             path, _, kind = name.rpartition(".")
             module = self._module(path)
             if module is None:
                 raise KeyError(f"glm5-vllm: no vLLM module {path}")
-            install_indexer(module, kind, op)  # runs once both are set (indexer.py)
+            install_indexer(module, kind, op)  # runs once all it needs are set (indexer.py)
             return
         if name.endswith(".self_attn.dsa_attn"):  # the MLA layer's attention core (mla.py)
             index = int(name.split(".")[1])

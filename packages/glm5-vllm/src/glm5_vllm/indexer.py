@@ -1,7 +1,7 @@
 """The indexer's pool-write and selection stages inside vLLM's GLM-5.3-Flash indexer (seam 5):
 the stages' constants from the indexers (`indexer_constants`: `Backbone.indexer`) and the
-forward the routes `layers.{i}.self_attn.indexer.kpool` / `.topk` install together
-(`install_indexer`).
+forward the routes `layers.{i}.self_attn.indexer.kpool` / `.topk` install together, with
+`.inputs` where the pool write takes the projection's sums (`install_indexer`).
 
 vLLM's indexer projects the query (wq_b), the key and the head weights (wk | weights_proj),
 normalizes the key, rotates + quantizes the query, then runs one custom op that writes the
@@ -10,7 +10,10 @@ expanded to tokens) into the model-wide top-k buffer. Routed, on a step whose ro
 decodes of one length (a plain decode or a uniform verify) and whose pages have the op's
 blocks, the same projections feed `KpoolWrite` (ring, pools into vLLM's pages, the queries
 rotated and cast) and `IndexerTopk` (scores and top-k), which writes the buffer's rows as
-vLLM's op does (top-k + kpool - 1 columns, -1 past them). The layouts are vLLM's own
+vLLM's op does (top-k + kpool - 1 columns, -1 past them). With `.inputs`, one FP32
+projection over [wk; compress gate; weights_proj] replaces vLLM's three (wk | weights_proj,
+its FP32 copy of weights_proj, the gate) and `KpoolWrite` norms the key from its sums
+(vLLM's FP32 key norm and BF16 roundings, inside the write). The layouts are vLLM's own
 (tests/glm5_vllm/test_vllm_indexer_kernels.py checks them against vLLM's kernels).
 
 Placement from vLLM's metadata: the pool pages' block table is the indexer metadata's decode
@@ -45,7 +48,22 @@ def indexer_constants(indexers: list[nn.Module]) -> Indexer | None:
     if len(found) != 1:
         return None
     heads, head_dim, kpool, topk, pools, block_size = found.pop()
-    return Indexer(heads, head_dim, kpool, topk, True, pools, block_size)
+    # The one input projection where every indexer holds wk | weights_proj as vLLM's merged
+    # BF16 linear (its rows: the key's, then the heads') and a BF16 gate, one key-norm eps.
+    eps = {m.k_norm.eps for m in indexers if _projects_inputs(m)}
+    one = len(eps) == 1 and all(_projects_inputs(m) for m in indexers)
+    return Indexer(heads, head_dim, kpool, topk, True, pools, block_size,
+                   key_norm_eps=eps.pop() if one else None)  # fmt: skip
+
+
+def _projects_inputs(m: nn.Module) -> bool:
+    wk = m.wk_weights_proj
+    gate = m.index_kpool_compress_gate
+    return (
+        list(getattr(wk, "output_partition_sizes", ())) == [m.head_dim, m.n_head]
+        and getattr(wk, "weight", None) is not None and wk.weight.dtype == torch.bfloat16
+        and gate.dtype == torch.bfloat16 and isinstance(getattr(m.k_norm, "eps", None), float)
+    )  # fmt: skip
 
 
 def _kpool_indexer(m: nn.Module) -> bool:
@@ -67,20 +85,23 @@ def _pages(m: nn.Module) -> Tensor | None:
     return pages if isinstance(pages, Tensor) and pages.dim() == 3 else None
 
 
-# The ops each routed indexer holds: {"kpool": KpoolWrite, "topk": IndexerTopk}.
+# The ops each routed indexer holds: {"kpool": KpoolWrite, "topk": IndexerTopk, "inputs":
+# Projection (where the pool write takes its sums)}.
 _ops: dict[nn.Module, dict[str, Any]] = {}
 
 
 def install_indexer(module: nn.Module, kind: str, op: Any | None) -> None:
-    """Set (op) or clear (None) one of the indexer's two stage ops; its forward runs the
-    stages while both are set, vLLM's own otherwise."""
+    """Set (op) or clear (None) one of the indexer's stage ops; its forward runs the stages
+    while the pool write and the selection are set (and the input projection, where the
+    write norms the key from its sums), vLLM's own otherwise."""
     ops = _ops.setdefault(module, {})
     if op is None:
         ops.pop(kind, None)
     else:
         ops[kind] = op
-    if "kpool" in ops and "topk" in ops:
-        module.forward = _forward(module, ops["kpool"], ops["topk"])
+    kpool, inputs = ops.get("kpool"), ops.get("inputs")
+    if kpool is not None and "topk" in ops and (kpool.key_norm is None) == (inputs is None):
+        module.forward = _forward(module, kpool, ops["topk"], inputs)
     else:
         module.__dict__.pop("forward", None)
         if not ops:
@@ -97,26 +118,24 @@ class _Placement:
     request: Tensor  # [R * T] each row's request
 
 
-def _forward(module: nn.Module, kpool: Any, topk: Any):
+def _forward(module: nn.Module, kpool: Any, topk: Any, inputs: Any | None):
     stock = type(module).forward.__get__(module)
     h, hd, width = module.n_head, module.head_dim, topk.width
 
     def forward(hidden_states: Tensor, qr: Tensor, positions: Tensor, rotary_emb=None):
-        place = _placement(module, positions, kpool, topk)
+        place = _placement(module, positions, kpool, topk, inputs)
         if place is None:
             return stock(hidden_states, qr, positions, rotary_emb)
         r, t = place.positions.shape
         n = r * t
         x = hidden_states[:n]
         q = module.wq_b(qr[:n])[0].view(r, t, h, hd)
-        kw = module.wk_weights_proj(x)[0]
-        norm = module.k_norm  # vLLM's key norm: FP32 LayerNorm, back to the input dtype
-        k = F.layer_norm(kw[:, :hd].float(), (hd,), norm.weight, norm.bias, norm.eps)
-        k = k.to(kw.dtype).view(r, t, hd)
-        if module._wp_fp32 is None:  # as vLLM caches it: weights_proj's rows, FP32
-            module._wp_fp32 = module.wk_weights_proj.weight.data[hd:].t().contiguous().float()
-        weights = torch.mm(x.float(), module._wp_fp32)
-        gate = F.linear(x, module.index_kpool_compress_gate).view(r, t, hd)
+        if inputs is not None:  # [n, hd | hd | h] FP32 sums: the write norms and rounds
+            sums = inputs(x)
+            k, gate = (sums[:, i * hd : (i + 1) * hd].view(r, t, hd) for i in (0, 1))
+            weights = sums[:, 2 * hd :]
+        else:
+            k, gate, weights = _stock_inputs(module, x, r, t)
         q8, q_scale = kpool(k, gate, q, module.tail_cache.kv_cache, module.k_cache.kv_cache,
                             place.block_table, place.positions, place.tail_rows)  # fmt: skip
         buffer = module.topk_indices_buffer
@@ -128,7 +147,22 @@ def _forward(module: nn.Module, kpool: Any, topk: Any):
     return forward
 
 
-def _placement(module: nn.Module, positions: Tensor, kpool: Any, topk: Any):
+def _stock_inputs(module: nn.Module, x: Tensor, r: int, t: int):
+    """vLLM's key (normed), gate score and FP32 head weights of rows x, as its forward has
+    them (its compiled key norm's FP32 LayerNorm)."""
+    hd = module.head_dim
+    kw = module.wk_weights_proj(x)[0]
+    norm = module.k_norm  # vLLM's key norm: FP32 LayerNorm, back to the input dtype
+    k = F.layer_norm(kw[:, :hd].float(), (hd,), norm.weight, norm.bias, norm.eps)
+    k = k.to(kw.dtype).view(r, t, hd)
+    if module._wp_fp32 is None:  # as vLLM caches it: weights_proj's rows, FP32
+        module._wp_fp32 = module.wk_weights_proj.weight.data[hd:].t().contiguous().float()
+    weights = torch.mm(x.float(), module._wp_fp32)
+    gate = F.linear(x, module.index_kpool_compress_gate).view(r, t, hd)
+    return k, gate, weights
+
+
+def _placement(module: nn.Module, positions: Tensor, kpool: Any, topk: Any, inputs: Any):
     """This step's placement from vLLM's forward context: None unless every row is a
     decode of one length, the ops serve its rows and the pages have the op's blocks."""
     from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -149,7 +183,8 @@ def _placement(module: nn.Module, positions: Tensor, kpool: Any, topk: Any):
     pages, tail = module.k_cache.kv_cache, module.tail_cache.kv_cache
     if pages.shape[1] * module.index_kpool != kpool.block_size or tail.dim() != 4:
         return None  # the op was built for other blocks
-    if not (kpool.supports(n) and topk.supports(n)) or positions.shape[0] < n:
+    served = kpool.supports(n) and topk.supports(n) and (inputs is None or inputs.supports(n))
+    if not served or positions.shape[0] < n:
         return None
     key = (md, tail_md, positions, tail.shape[2])
     if _placed[0] is None or any(a is not b for a, b in zip(_placed[0], key, strict=True)):

@@ -8,7 +8,7 @@ from glm5_kernels.dsa.attention_ref import sparse_mla_decode_ref
 from glm5_kernels.dsa.indexer import IndexerTopk
 from glm5_kernels.dsa.indexer_ref import index_topk_ref, select_tokens_ref
 from glm5_kernels.dsa.kpool import KpoolWrite
-from glm5_kernels.dsa.kpool_ref import kpool_write_ref, pool_sources_ref
+from glm5_kernels.dsa.kpool_ref import index_keys_ref, kpool_write_ref, pool_sources_ref
 from glm5_kernels.dsa.latent import LatentWrite, latent_write_ref
 from glm5_kernels.dsa.reference import (
     index_logits_fp8_ref,
@@ -23,6 +23,7 @@ __all__ = [
     "KpoolWrite",
     "LatentWrite",
     "SparseMlaDecode",
+    "index_keys_ref",
     "index_logits_fp8_ref",
     "index_topk_ref",
     "kpool_compress_ref",

@@ -68,7 +68,8 @@ class IndexerTopk:
     def __call__(self, q: Tensor, q_scale: Tensor, weights: Tensor, pages: Tensor,
                  block_table: Tensor, request: Tensor, positions: Tensor, *,
                  out: Tensor | None = None) -> Tensor:  # fmt: skip
-        """q [N, H, hd] float8_e4m3fn (rotated queries), q_scale / weights [N, H] FP32,
+        """q [N, H, hd] float8_e4m3fn (rotated queries), q_scale / weights [N, H] FP32 (unit
+        columns, any row stride: weights may be columns of the indexer's one projection),
         pages [blocks, S, hd + 4] uint8 (vLLM's pool cache), block_table [R, B], request [N]
         (each row's request), positions [N] -> token positions [N, width] int32 (-1: none),
         `index_topk_ref`'s set in its layout."""
@@ -89,7 +90,8 @@ class IndexerTopk:
             pools, s, pages.stride(0), per_split, min(self.topk // self.kpool, pools),
             self.width,
             self.head_dim**-0.5 * self.heads**-0.5,
-            q.stride(0), q.stride(1), weights.stride(0), block_table.stride(0), out.stride(0),
+            q.stride(0), q.stride(1), q_scale.stride(0), weights.stride(0), block_table.stride(0),
+            out.stride(0),
             IH=max(16, next_pow2(self.heads)), H=self.heads, HD=self.head_dim, KP=self.kpool,
             BP=BP, PMAX=self._pmax, BC=BC, TAIL=self.width > self.topk, PDL=self._pdl,
             num_warps=WARPS, launch_pdl=self._pdl,
@@ -110,8 +112,6 @@ class IndexerTopk:
             if x.shape != (n, h) or x.dtype != torch.float32 or x.stride(1) != 1:
                 problems.append(f"{name}: {tuple(x.shape)} {x.dtype}, expected [{n}, {h}] "
                                 "float32")  # fmt: skip
-        if q_scale.dim() == weights.dim() == 2 and q_scale.stride() != weights.stride():
-            problems.append("q_scale / weights: one row stride expected")  # the kernel's one
         if not paged(pages, hd):
             problems.append(f"pages: {tuple(pages.shape)} {pages.dtype} strides "
                             f"{pages.stride()}, expected [blocks, S, {hd + 4}] uint8, each "

@@ -12,9 +12,20 @@ The pooled key is Hadamard-rotated and cast to FP8 with a power-of-two scale
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from glm5_kernels.dsa.reference import kpool_compress_ref, rotate_quant_fp8_ref
+
+
+def index_keys_ref(k_sums: Tensor, gate_sums: Tensor, weight: Tensor, bias: Tensor,
+                   eps: float) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The pool write's key and gate score [..., hd] BF16 from one projection's FP32 sums
+    (`KpoolWrite(key_norm=...)`'s inputs): each rounded to BF16, as a BF16 GEMM outputs them,
+    and the key LayerNormed in FP32 and rounded again, as vLLM's key norm does."""
+    k = k_sums.to(torch.bfloat16).float()
+    k = F.layer_norm(k, k.shape[-1:], weight.float(), bias.float(), eps).to(torch.bfloat16)
+    return k, gate_sums.to(torch.bfloat16)
 
 
 def pool_sources_ref(k: Tensor, gate: Tensor, tail: Tensor, positions: Tensor,

@@ -29,7 +29,7 @@ def indexer_topk_kernel(
     q_ptr, qs_ptr, w_ptr, page_ptr, scale_ptr, bt_ptr, req_ptr, pos_ptr,
     score_ptr, pool_ptr, count_ptr, out_ptr,
     P, S, stride_pb, per_split, count, width, weight_scale,
-    stride_qn, stride_qh, stride_wn, stride_bt, stride_on,
+    stride_qn, stride_qh, stride_sn, stride_wn, stride_bt, stride_on,
     IH: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, KP: tl.constexpr, BP: tl.constexpr,
     PMAX: tl.constexpr, BC: tl.constexpr, TAIL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -42,7 +42,7 @@ def indexer_topk_kernel(
     q = tl.load(q_ptr + n * stride_qn + h[:, None] * stride_qh + d[None, :], mask=hm[:, None],
                 other=0.0)  # [IH, HD] e4m3  # fmt: skip
     wh = tl.load(w_ptr + n * stride_wn + h, mask=hm, other=0.0)  # (w * q_scale) * scale,
-    wh = wh * tl.load(qs_ptr + n * stride_wn + h, mask=hm, other=0.0) * weight_scale  # as ref
+    wh = wh * tl.load(qs_ptr + n * stride_sn + h, mask=hm, other=0.0) * weight_scale  # as ref
     req = tl.load(req_ptr + n).to(tl.int64)
     pos = tl.load(pos_ptr + n).to(tl.int64)
     lo = sp * per_split

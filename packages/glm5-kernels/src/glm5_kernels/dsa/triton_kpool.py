@@ -10,6 +10,11 @@ slot of vLLM's pages.
 Last, its own key and gate score go to the ring (no row of the step reads that slot: the
 ring holds kpool + drafts tokens). A request whose ring row is -1 (vLLM's padding and dummy
 requests) writes neither.
+
+RAW: the step's keys and gate scores arrive as a projection's FP32 sums (the indexer's one
+projection over wk | gate | weights_proj): each is rounded to BF16 as a BF16 GEMM's output,
+and the key then LayerNormed in FP32 (affine) and rounded, as vLLM's key norm does, wherever
+the kernel reads a row of the step (its own, or a pool member's).
 """
 
 import triton
@@ -46,19 +51,35 @@ def _rotate_quant(x, sign, had_scale, INTERPRETER: tl.constexpr):
 
 
 @triton.jit
+def _key(x, w, b, eps, HD: tl.constexpr, RAW: tl.constexpr, INTERPRETER: tl.constexpr):
+    """Rows x [M, HD] of the step's keys -> BF16 values in FP32: as they are, or (RAW) the
+    FP32 sums rounded to BF16, then LayerNormed in FP32 with weight w / bias b and rounded."""
+    if RAW:
+        x = round_bf16(x, INTERPRETER)
+        mean = tl.sum(x, axis=1) / HD
+        c = x - mean[:, None]
+        rstd = tl.math.div_rn(1.0, tl.sqrt_rn(tl.sum(c * c, axis=1) / HD + eps))
+        x = round_bf16(c * rstd[:, None] * w[None, :] + b[None, :], INTERPRETER)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def kpool_write_kernel(
-    k_ptr, g_ptr, q_ptr, tail_ptr, page_ptr, pscale_ptr, ape_ptr, sign_ptr,
+    k_ptr, g_ptr, q_ptr, tail_ptr, page_ptr, pscale_ptr, ape_ptr, sign_ptr, nw_ptr, nb_ptr,
     bt_ptr, pos_ptr, trow_ptr, q8_ptr, qs_ptr,
-    T, ring, S, stride_pb, block_size, had_scale,
+    T, ring, S, stride_pb, block_size, had_scale, eps,
     stride_k, stride_g, stride_qn, stride_qh, stride_tr, stride_tc, stride_bt,
     IH: tl.constexpr, H: tl.constexpr, HD: tl.constexpr, KP: tl.constexpr,
-    INTERPRETER: tl.constexpr, PDL: tl.constexpr,
+    RAW: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0)
     r = n // T
     d = tl.arange(0, HD)
     # The weights first: they do not depend on the previous kernel.
     sign = tl.load(sign_ptr + d[:, None] * HD + d[None, :])  # the Hadamard matrix's signs
+    nw, nb = d * 0.0, d * 0.0  # the key norm (RAW)
+    if RAW:
+        nw, nb = tl.load(nw_ptr + d).to(tl.float32), tl.load(nb_ptr + d).to(tl.float32)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -79,16 +100,18 @@ def kpool_write_kernel(
         mine = (m >= start)[:, None]
         row = n - (pos - m)  # this step's row of token m
         ring_at = trow * stride_tr + (m % ring) * HD
-        kk = tl.where(mine, tl.load(k_ptr + row[:, None] * stride_k + d[None, :], mask=mine),
-                      tl.load(tail_ptr + ring_at[:, None] + d[None, :], mask=~mine))  # fmt: skip
+        own = _key(tl.load(k_ptr + row[:, None] * stride_k + d[None, :], mask=mine, other=0.0),
+                   nw, nb, eps, HD, RAW, INTERPRETER)  # fmt: skip
+        kk = tl.where(mine, own, tl.load(tail_ptr + ring_at[:, None] + d[None, :], mask=~mine))
         gate_at = tail_ptr + stride_tc + ring_at[:, None] + d[None, :]  # the ring's gate half
-        gg = tl.where(mine, tl.load(g_ptr + row[:, None] * stride_g + d[None, :], mask=mine),
-                      tl.load(gate_at, mask=~mine))  # fmt: skip
+        own = tl.load(g_ptr + row[:, None] * stride_g + d[None, :], mask=mine, other=0.0)
+        gg = tl.where(mine, round_bf16(own.to(tl.float32), INTERPRETER),
+                      tl.load(gate_at, mask=~mine).to(tl.float32))  # fmt: skip
         ape = tl.load(ape_ptr + j[:, None] * HD + d[None, :]).to(tl.float32)
-        logits = gg.to(tl.float32) + ape  # softmax over the pool's tokens, channel by channel
+        logits = gg + ape  # softmax over the pool's tokens, channel by channel
         p = tl.exp(logits - tl.max(logits, axis=0)[None, :])
         p = p / tl.sum(p, axis=0)[None, :]
-        pooled = round_bf16(tl.sum(p * kk.to(tl.float32), axis=0), INTERPRETER)
+        pooled = round_bf16(tl.sum(p * kk, axis=0), INTERPRETER)
         tile = tl.where((tl.arange(0, 16) == 0)[:, None], pooled[None, :], 0.0)  # [16, HD]
         y8, ys = _rotate_quant(tile, sign, had_scale, INTERPRETER)
         first = pos - KP + 1
@@ -101,6 +124,8 @@ def kpool_write_kernel(
         tl.store(pscale_ptr + (page + S * HD) // 4 + slot + tl.arange(0, 16), ys,
                  mask=tl.arange(0, 16) == 0)  # fmt: skip
     if live:
-        at = trow * stride_tr + (pos % ring) * HD + d
-        tl.store(tail_ptr + at, tl.load(k_ptr + n * stride_k + d))
-        tl.store(tail_ptr + stride_tc + at, tl.load(g_ptr + n * stride_g + d))
+        at = trow * stride_tr + (pos % ring) * HD + d[None, :]
+        key = _key(tl.load(k_ptr + n * stride_k + d[None, :]), nw, nb, eps, HD, RAW, INTERPRETER)
+        tl.store(tail_ptr + at, key.to(tl.bfloat16))
+        gate = tl.load(g_ptr + n * stride_g + d[None, :]).to(tl.float32)
+        tl.store(tail_ptr + stride_tc + at, round_bf16(gate, INTERPRETER).to(tl.bfloat16))

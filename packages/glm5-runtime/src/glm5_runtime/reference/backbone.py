@@ -20,7 +20,7 @@ from glm5_kernels.norm import rms_norm_ref
 from ..plan import Rows
 from ..protocol import Indexer, Kda, Layer, Mla, Routing
 from .model import ReferenceModel
-from .stages import FUSED_PARTS, Placement
+from .stages import FUSED_PARTS, KEY_EPS, Placement
 
 __all__ = ["ReferenceBackbone"]
 
@@ -59,10 +59,10 @@ class ReferenceBackbone:
         # RankStages.mla: `.dsa_attn`, and `.latent` (its input norms and latent write)
         self.mla = Mla(g.qk_nope_head_dim, g.v_head_dim, scale, norm_eps=g.rms_norm_eps)
         pools = -(-model.max_context // model.block_size) * model.block_size // g.index_kpool
-        self.indexer = Indexer(  # RankStages.indexer: `.kpool`, `.topk` (vLLM's FP8 pages)
-            g.index_n_heads, g.index_head_dim, g.index_kpool, g.index_topk,
+        self.indexer = Indexer(  # RankStages.indexer: `.kpool`, `.topk`, `.inputs` (vLLM's
+            g.index_n_heads, g.index_head_dim, g.index_kpool, g.index_topk,  # FP8 pages)
             bool(g.index_kpool_always_select_tail and g.index_kpool > 1), pools,
-            model.block_size,
+            model.block_size, key_norm_eps=KEY_EPS,
         )  # fmt: skip
         # hc_mix_ref's post multiplier is GLM-5.3-Flash's 2.0; every norm uses rms_norm_eps.
         self.mhc = MhcConfig(

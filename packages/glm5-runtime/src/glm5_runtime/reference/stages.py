@@ -30,6 +30,8 @@ from glm5_kernels.quant import dequantize_fp8_block_ref
 from .caches import RankCaches
 from .config import Geometry
 
+KEY_EPS = 1e-6  # the indexer's key LayerNorm (transformers' and vLLM's)
+
 # HF projections that vLLM runs as one GEMM over one fused weight, rows in this order (its
 # `fused_qkv_a_proj` and `in_proj_qkvbfg_a`). A routed op over the fused weight (`fuse`)
 # serves every part in one launch, as vLLM's module does.
@@ -256,13 +258,26 @@ class RankStages:
         kpool = self.c.kpool[layer]
         vllm = kpool.dtype == torch.uint8
         q = self.linear(q_resid, f"{n}.wq_b.weight").reshape(R, T, ih, hd)
-        k = self.linear(x, f"{n}.wk.weight")
-        norm = (self.w[f"{n}.k_norm.weight"], self.w[f"{n}.k_norm.bias"])
-        if vllm:  # vLLM's key norm runs in FP32
-            k = F.layer_norm(k.float(), (hd,), norm[0].float(), norm[1].float(), 1e-6).to(x.dtype)
+        # The pool write stage (+ the queries) and, built with it, one FP32 projection of the
+        # key, gate and head weights whose key norm and roundings run inside the write.
+        write, inputs = (self.routes.get(f"{n}.{r}") for r in ("kpool", "inputs"))
+        fused_inputs = (
+            vllm and write is not None and inputs is not None and write.supports(R * T)
+            and inputs.supports(R * T) and x.dtype == torch.bfloat16
+        )  # fmt: skip
+        if fused_inputs:
+            sums = inputs(x.reshape(R * T, -1).contiguous())  # [R * T, hd | hd | ih] FP32
+            k, gate = (sums[:, i * hd : (i + 1) * hd].view(R, T, hd) for i in (0, 1))
+            weights = sums[:, 2 * hd :].view(R, T, ih)
         else:
-            k = F.layer_norm(k, (hd,), *norm, 1e-6)
-        gate = F.linear(x, self.w[f"{n}.index_kpool_compress_gate"])
+            k = self.linear(x, f"{n}.wk.weight")
+            norm = (self.w[f"{n}.k_norm.weight"], self.w[f"{n}.k_norm.bias"])
+            if vllm:  # vLLM's key norm runs in FP32
+                k = F.layer_norm(k.float(), (hd,), norm[0].float(), norm[1].float(), KEY_EPS)
+                k = k.to(x.dtype)
+            else:
+                k = F.layer_norm(k, (hd,), *norm, KEY_EPS)
+            gate = F.linear(x, self.w[f"{n}.index_kpool_compress_gate"])
         # A token that completes a pool compresses it (kpool_ref: members from this step's
         # rows and the request's ring; tokens that complete nothing write to the null block,
         # where vLLM skips the write).
@@ -273,14 +288,15 @@ class RankStages:
         tail_on = bool(g.index_kpool_always_select_tail and kp > 1)
         width = g.index_topk + (kp - 1 if tail_on else 0)
         if vllm:
-            write = self.routes.get(f"{n}.kpool")  # the pool write stage (+ the queries)
             place = (step.block_table, pos, step.tail_rows)
-            if write is not None and write.supports(R * T):
+            takes = fused_inputs or getattr(write, "key_norm", None) is None  # sums or keys
+            if write is not None and write.supports(R * T) and takes:
                 q8, q_scale = write(k, gate, q, tail, kpool, *place)
             else:
                 q8, q_scale = kpool_write_ref(k, gate, q, tail, kpool, ape, *place,
                                               step.block_size)  # fmt: skip
-            weights = F.linear(x.float(), self.w[f"{n}.weights_proj.weight"].float())
+            if not fused_inputs:
+                weights = F.linear(x.float(), self.w[f"{n}.weights_proj.weight"].float())
             fused = self.routes.get(f"{n}.topk")  # the selection stage: scores + top-k
             if fused is not None and fused.supports(R * T):
                 tokens = fused(q8.reshape(R * T, ih, hd), q_scale.reshape(R * T, ih),
