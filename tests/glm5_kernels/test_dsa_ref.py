@@ -1,12 +1,15 @@
 """DSA indexer references: Hadamard + FP8 keys/queries, k-pool pages, pool logits, and the
 pool compression against transformers' Glm5NextTextIndexer.
 
-Tolerances: a power-of-two scale puts the vector's amax in [224, 448] e4m3 units, where half
-an ulp is 16, so each dequantized element is within amax/14 (1/16 of the top binade plus the
-BF16 rounding of the rotated vector, 2^-9 relative). Pool logits sum head dot products of two
-such vectors with signed head weights, which cancel: relative L2 against the exact logits was
-at most 0.083 over 300 fresh draws per shape (0.058 at the real 32 heads x 128 pools), so the
-bound is 0.15; a lost scale or a one-sided rotation is off by ~1 or more."""
+Tolerances, derived from the roundings: the rotated vector r = x H (H orthonormal) is rounded
+to BF16 (2^-9 of each element, FP32 matmul error aside) and then to e4m3 at a power-of-two
+scale (normal codes: 2^-4 of the element; subnormals: half a 2^-9 step, times the scale), so
+each dequantized element is within e = (2^-9 + 2^-4 (1 + 2^-9)) |r| + 2^-10 scale (+ FP32
+slack) of r -- checked per element, so a lost scale or a one-sided rotation fails there. The
+pool logits are then checked on those codes: exact but for their FP32 sums (gamma_n bounds:
+(128 + heads + 4) 2^-24 of the absolute terms' mass), and since H is orthonormal, r_q . r_k
+is the BF16 vectors' own dot product: nothing between the codes and the exact logits is left
+unchecked."""
 
 import pytest
 import torch
@@ -68,13 +71,22 @@ def test_fp8_logits_match_the_exact_logits(tokens, heads, pools):
     q, qs = rotate_quant_fp8_ref(qb)
     k, ks = rotate_quant_fp8_ref(kb)
     got = index_logits_fp8_ref(q, qs, w, k.expand(tokens, -1, -1), ks.expand(tokens, -1))
-    exact = torch.einsum(
-        "th,thp->tp",
-        w.double() * 128**-0.5 * heads**-0.5,
-        torch.relu(torch.einsum("thd,pd->thp", qb.double(), kb.double())),
-    )
     assert got.shape == (tokens, pools)
-    assert ((got.double() - exact).norm() / exact.norm()).item() < 0.15
+    h = _hadamard(128, "cpu").double()
+    deq = []
+    for code, scale, x in ((q, qs, qb), (k, ks, kb)):  # the codes: r to e4m3's rounding
+        r = x.double() @ h  # the exact rotation
+        e = (2**-9 + 2**-4 * (1 + 2**-9)) * r.abs() + 2**-10 * scale.double()[..., None]
+        e = e + 2**-20 * r.norm(dim=-1, keepdim=True)  # the FP32 rotation's rounding
+        deq.append(code.double() * scale.double()[..., None])
+        assert bool(((deq[-1] - r).abs() <= e).all())
+    # The logits: exact on those codes but for FP32 sums (gamma_n bounds of the head dot
+    # products over 128 dims and of the heads' sum).
+    c = w.double() * 128**-0.5 * heads**-0.5
+    on_codes = torch.einsum("th,thp->tp", c, torch.relu(torch.einsum("thd,pd->thp", *deq)))
+    terms = torch.einsum("thd,pd->thp", *(x.abs() for x in deq))
+    bound = (128 + heads + 4) * 2**-24 * torch.einsum("th,thp->tp", c.abs(), terms) + 1e-30
+    assert bool(((got.double() - on_codes).abs() <= bound).all())
 
 
 def test_pool_compression_matches_transformers_indexer():
