@@ -17,7 +17,7 @@ import os
 
 import pytest
 import torch
-from decode_cases import ALL_STAGES, Yardstick, check_calls, shadow
+from decode_cases import ALL_STAGES, Yardstick, agreeing_logs, agreeing_tokens, check_calls, shadow
 
 from glm5_policy import DecodeConfig
 from glm5_runtime.decode import SpecializedDecode
@@ -432,3 +432,21 @@ def test_indexer_stage_selects_as_stock():
                 for r in requests:
                     m.accept(r, 1)
     assert chose > 0  # rows with more visible pools than it keeps
+
+
+def test_agreeing_tokens_keep_each_request_s_prefix():
+    """A token compares where it and its request's earlier tokens chose alike in every log:
+    2 requests x 3 tokens; one MoE log of every row (request 0's token 1 differs), one of
+    each request's last row only (request 1's differs); request-level agreement: none."""
+    gen = torch.Generator().manual_seed(0)
+    experts = torch.randint(0, 288, (6, 8), generator=gen)
+    last = torch.randint(0, 288, (2, 8), generator=gen)
+    other, other_last = experts.clone(), last.clone()
+    other[1, 3] += 1
+    other_last[1, 0] += 1
+    a = [("moe", experts), ("draft", last)]
+    b = [("moe", other), ("draft", other_last)]
+    want = torch.tensor([[True, False, False], [True, True, False]])
+    assert torch.equal(agreeing_tokens(a, b, 2, 3), want)
+    assert not agreeing_logs(a, b, 2).any()
+    assert agreeing_tokens(a, a, 2, 3).all()
