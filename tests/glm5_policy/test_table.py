@@ -118,15 +118,18 @@ def test_default_tables_cover_every_stage_with_the_seeds_split(family):
     # the stock head. The fused KDA step beats vLLM's KDA ops at every measured step of
     # 1-4 tokens on the H200 (1.14-1.9x, benchmarks/results/kda_decode_h200.json), not at
     # every 8-token one: SM90 runs it at 1-4 tokens; SM100 keeps it off until measured there.
-    # The sparse MLA decode stays off on both (not measured against vLLM's own kernel), and
-    # so do the indexer's pool write and selection (built and CPU-checked, not yet
-    # measured on a GPU). The seed's CuTe LM head is not built: no table names it, and SM100
-    # keeps the stock head until the skinny one is measured there.
-    off = {"dsa_attn", "dsa_indexer", "dsa_kpool", "logits_head"}
-    off |= set() if family == "sm90" else {"kda"}
+    # The DSA stages (pool write, selection, sparse MLA decode) run on SM90 at every count:
+    # the whole-step GPU suite passes with them on at every q and at 45 layers, and the step
+    # is faster with them (runtime README); SM100 keeps them stock until measured there. The
+    # seed's CuTe LM head is not built: no table names it, and SM100 keeps the stock head
+    # until the skinny one is measured there.
+    off = {"logits_head"}
+    off |= set() if family == "sm90" else {"kda", "dsa_attn", "dsa_indexer", "dsa_kpool"}
     assert {stage for stage in STAGES if not policy.enabled(stage)} == off
     if family == "sm90":
         assert [policy("kda", m) for m in (1, 4, 5)] == ["fused", "fused", None]
+        dsa = {"dsa_attn": "sparse", "dsa_indexer": "fused", "dsa_kpool": "fused"}
+        assert all(policy(stage, m) == c for stage, c in dsa.items() for m in (1, MAX_TOKENS))
 
 
 @pytest.mark.parametrize(
