@@ -47,7 +47,8 @@ def _up(x, w):
 
 @pytest.mark.parametrize(
     "heads, requests, q, rank",
-    [(16, 1, 1, 0), (16, 8, 2, 0), (64, 3, 4, 0), (16, 32, 4, 0), (16, 1, 1, 128), (16, 8, 2, 128)],
+    [(16, 1, 1, 0), (16, 8, 2, 0), (16, 24, 2, 0), (64, 3, 4, 0), (16, 32, 4, 0), (16, 1, 1, 128),
+     (16, 8, 2, 128)],
 )
 def test_consecutive_steps_equal_the_reference(heads, requests, q, rank):
     """rank > 0: the fused_gates kernel (f_b, g_b in the kernel; the calls hand it f_a and

@@ -98,8 +98,8 @@ class KdaDecode:
         heads = requests * self.heads
         if tokens == 1:
             bv, warps = (16, 2) if heads <= 64 else (128, 8)
-        elif tokens == 2:
-            bv, warps = 32, 2
+        elif tokens == 2:  # one warp a slice from 256 heads: 10-25 % faster at 256-4096
+            bv, warps = (32, 2) if heads <= 128 else (32, 1)
         else:
             bv, warps = (32, 4) if heads <= 16 else (64, 4) if heads <= 128 else (128, 4)
         return min(bv, self.v), warps
