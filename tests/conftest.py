@@ -8,7 +8,7 @@ import pytest
 # The quick GPU selection, for every change that touches a kernel (the full suite is for a
 # stage's own issue): every kernel once at the real GLM-5.3-Flash shapes with NaN-poisoned
 # outputs, one CUDA-graph capture each, and the whole step at one q with every stage on (q = 4:
-# three MTP drafts, 16 capture sizes, the draft beside). Entries: (file under tests/, test,
+# three MTP drafts, at 4, 12 and 64 tokens, the draft beside). Entries: (file under tests/, test,
 # its parameter id: "-"-separated parts in any order, "" unparametrized).
 # tests/integration/test_quick_selection.py checks each names exactly one collected test.
 QUICK = (
