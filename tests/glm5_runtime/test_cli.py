@@ -106,6 +106,15 @@ def no_cuda(monkeypatch):
         (["bench", "--out", "/no/such/folder/b.json"], "argument --out: no folder"),
         (["bench", "--plot", "b.png"], "--plot: needs --out"),
         (["plot", "no-such-file.json", "--out", "p.png"], "argument results: cannot read"),
+        (["tune", "--q", "4", "--tokens", "4,6"], "--tokens 4,6: [6] not multiples of --q 4"),
+        (["tune", "--tokens", "1,65"], "argument --tokens: expects comma-separated token counts"),
+        (
+            ["tune", "--stages", "moe,attention"],
+            "argument --stages: expects comma-separated stages from moe, boundary, kda,",
+        ),
+        (["tune", "--stages", "moe,moe"], "argument --stages: expects comma-separated stages"),
+        (["tune", "--policy", '{"kda": "split_gate"}'], "argument --policy: policy['kda']"),
+        (["tune", "--out", "/no/such/folder/t.json"], "argument --out: no folder"),
         ([], "the following arguments are required"),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else "",
@@ -156,6 +165,17 @@ def test_bench_checks_arguments_then_cuda(capsys, no_build, no_cuda):
     assert refused(capsys, ["bench"]).startswith("needs a CUDA GPU: torch ")
 
 
+def test_tune_checks_arguments_then_cuda_then_the_geometry(capsys, monkeypatch, no_build):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert refused(capsys, ["tune", "--q", "3", "--tokens", "3,4"]).startswith("--tokens 3,4")
+    assert refused(capsys, ["tune"]).startswith("needs a CUDA GPU: torch ")
+    # A GPU of 60 GiB free: one TP-4 rank (77 GiB of weights) does not fit, before any work.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(reference_memory, "free_bytes", lambda device: 60 << 30)
+    error = refused(capsys, ["tune", "--geometry", "flash-tp4-rank"])
+    assert error.startswith("--geometry flash-tp4-rank: 1 of 4 TP ranks need ")
+
+
 @pytest.mark.parametrize("argv", [["plot", "{results}", "--out", "p.png"],
                                   ["bench", "--out", "b.json", "--plot", "b.png"]])  # fmt: skip
 def test_plot_without_matplotlib(capsys, monkeypatch, no_cuda, tmp_path, argv):
@@ -188,7 +208,7 @@ def test_help_imports_no_torch():
     script = """
 import sys
 from glm5_runtime.cli import main
-for argv in (["--help"], ["demo", "--help"], ["bench", "--help"]):
+for argv in (["--help"], ["demo", "--help"], ["bench", "--help"], ["tune", "--help"]):
     try:
         main(argv)
     except SystemExit as exit:
@@ -229,8 +249,8 @@ def test_tiny_demo_shows_prompt_and_generated_tokens_apart(capsys):
 
 
 CHEAP = json.dumps(  # the demo's compare with kernels the interpreter runs in seconds
-    {"boundary": None, "kda": None, "kda_proj": None, "dsa_proj": None,
-     "router": "split_k", "logits_head": "skinny"}
+    {"boundary": None, "kda": None, "kda_proj": None, "dsa_proj": None, "dsa_attn": None,
+     "dsa_indexer": None, "dsa_kpool": None, "router": "split_k", "logits_head": "skinny"}
 )  # fmt: skip
 
 

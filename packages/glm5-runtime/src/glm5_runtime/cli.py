@@ -1,17 +1,19 @@
 """`glm5-decode`: the reference GLM-5.3-Flash backbone serving random prompts with greedy MTP
 drafting (`demo`: prefill, then draft / verify / accept steps, timed per step and per stage;
 `--compare`: the same prompts through the specialized decode too), stock vs specialized
-decode steps on the GPU (`bench`), their plot (`plot`) and tables (`table`).
+decode steps on the GPU (`bench`), their plot (`plot`) and tables (`table`), and the policy
+table measured on this GPU (`tune`).
 
     glm5-decode demo                                  # tiny geometry, CPU, a few seconds
     glm5-decode demo --compare --prompts 1 --steps 2  # + the specialized decode (CPU: ~2 min)
     glm5-decode demo --device cuda --geometry flash-tp4-rank --steps 8 --compare
     glm5-decode bench --geometry flash-tp4-rank --tokens 1,8,64 --out bench.json
     glm5-decode table bench.json
+    glm5-decode tune --geometry flash-tp4-rank --q 1 --tokens 1,2,4,8,16,32,64 --out tune.json
 
 Every bad input is one line on stderr and exit status 2, before any work starts: argparse
 checks each value and the values together; the commands then check what needs torch (the
-device, the memory the model takes). Torch is imported inside `demo` and `bench` only, so
+device, the memory the model takes). Torch is imported inside `demo`, `bench` and `tune` only, so
 `--help` and `table` answer at once. Ctrl-C stops a command with one line and exit status
 130.
 """
@@ -232,6 +234,39 @@ def bench(args) -> None:
             plot([args.out], args.plot)
 
 
+def tune(args) -> None:
+    torch = _import_torch()
+    from .reference import geometry
+
+    if why := _no_cuda(torch):
+        raise BadInput(f"needs a CUDA GPU: {why}")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    _check_fits(
+        geometry(args.geometry), "cuda", args.geometry, max_requests=max(tokens) // args.q,
+        max_context=args.context + 16, q=args.q,
+    )  # fmt: skip
+    from .tune import run, show
+
+    result = run(args)
+    print(show(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def _tuned_stages(text: str) -> str:
+    """Comma-separated policy stages to tune (the others keep the starting table)."""
+    from .tune import ORDER
+
+    names = text.split(",")
+    unknown = [n for n in names if n not in ORDER]
+    if unknown or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"expects comma-separated stages from {', '.join(ORDER)}, each once, got {text!r}"
+        )
+    return text
+
+
 def plot_files(args) -> None:
     from .results import plot
 
@@ -254,7 +289,7 @@ def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         "stock vs specialized decode benchmark.",
         formatter_class=formatter,
     )
-    sub = top.add_subparsers(dest="command", required=True, metavar="{demo,bench,plot,table}")
+    sub = top.add_subparsers(dest="command", required=True, metavar="{demo,bench,tune,plot,table}")
     d = sub.add_parser(
         "demo",
         help="serve a few random prompts on the reference backbone (random weights)",
@@ -353,6 +388,45 @@ def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     b.add_argument("--commit", help="the code's commit, where the tree's git lacks it")
     b.set_defaults(run=bench)
 
+    t = sub.add_parser(
+        "tune",
+        help="the policy table measured on this GPU",
+        description="Time each stage's choices (stock included) in the whole planned step, one "
+        "CUDA graph per capture size, stage after stage; keep the fastest per size (ties within "
+        "the noise go to the simpler choice), confirm the table against the starting one and "
+        "write it with its measurements. Needs a GPU.",
+        formatter_class=formatter,
+    )
+    t.add_argument("--geometry", default="flash-tp4-rank", **_GEOMETRY)
+    t.add_argument(
+        "--tokens", type=_token_counts, default="1,2,4,8,16,32,64",
+        help="the capture sizes, comma-separated, each a multiple of --q",
+    )  # fmt: skip
+    t.add_argument(
+        "--q", type=_integer(1, MAX_Q), default=1,
+        help=f"tokens per request (1: decode, 2..{MAX_Q}: MTP verify)",
+    )  # fmt: skip
+    t.add_argument("--context", type=_count, default=4096, help="tokens already in each request")
+    t.add_argument("--iters", type=_count, default=10, help="CUDA-graph replays timed per step")
+    t.add_argument(
+        "--vllm-ops", type=_vllm_folder, metavar="DIR",
+        help="stock stages run vLLM 0.33's experts, KDA core and mHC pre from this folder of "
+        "its files (benchmarks/vllm_files.py), as in a vLLM server; without it, the reference's "
+        "torch ops",
+    )  # fmt: skip
+    t.add_argument(
+        "--policy", type=_policy, default=None,
+        help="the starting table: policy table JSON over the family default",
+    )  # fmt: skip
+    t.add_argument("--family", default="sm90", choices=FAMILIES, help="GPU family's defaults")
+    t.add_argument(
+        "--stages", type=_tuned_stages, default=None,
+        help="comma-separated stages to tune (default: all; the others keep the starting table)",
+    )  # fmt: skip
+    t.add_argument("--out", type=_new_file, help='results JSON (the table under "policy")')
+    t.add_argument("--commit", help="the code's commit, where the tree's git lacks it")
+    t.set_defaults(run=tune)
+
     def results_command(name: str, run, help: str, description: str):
         c = sub.add_parser(name, help=help, description=description, formatter_class=formatter)
         c.add_argument("results", nargs="+", type=_results, help="`glm5-decode bench --out` files")
@@ -384,6 +458,10 @@ def _problem(args) -> str | None:
             )
         if not args.compare and (args.policy is not None or args.family is not None):
             return "--policy and --family: choose the specialized decode's stages (--compare)"
+    elif args.command == "tune":
+        uneven = [t for t in map(int, args.tokens.split(",")) if t % args.q]
+        if uneven:
+            return f"--tokens {args.tokens}: {uneven} not multiples of --q {args.q}"
     elif args.command == "bench":
         uneven = [t for t in map(int, args.tokens.split(",")) if t % args.q]
         if uneven:

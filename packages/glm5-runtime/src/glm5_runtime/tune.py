@@ -1,0 +1,253 @@
+"""`glm5-decode tune`: the policy table measured on this GPU, for one TP rank's shapes, q and
+the capture sizes.
+
+Each stage's choices (stock included) are timed where the table is used — the whole planned
+step, one CUDA graph per capture size, every other stage as chosen so far — and per size the
+fastest is kept; a choice within the noise of the fastest loses to a simpler one (stock, then
+`SIMPLER` order). The whole step, not the stage alone, because a choice changes what its
+neighbours launch and read (a fused KDA step removes the stock ops around it; PDL overlaps
+one kernel's loads with the last one's tail), and the step's time is what the table is for.
+Each size's step reads only that size's entries, so one build of a candidate times every
+size. Noise: the starting table timed twice; a size's tie band is the larger of `TIE` and
+twice that run-to-run difference. The chosen table is then timed beside the starting one
+(the confirmation) and written with the measurements, command, GPU, commit and date; its
+`policy` is what `bench --policy` and the plugin's `"policy"` take.
+
+Where a stage is stock the reference backbone's op runs; with `--vllm-ops DIR`, vLLM 0.33's
+own kernels run the routed experts, the KDA core and the mHC pre there (`VllmStock`), as in
+a vLLM server. A candidate whose stage does not build is recorded with why, never picked.
+`logits_gather` is kept from the starting table: one GPU has no gather to time.
+
+    glm5-decode tune --geometry flash-tp4-rank --q 1 --tokens 1,2,4,8,16,32,64 \\
+        --vllm-ops vllm-files --out tune_tp4_q1.json
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from datetime import date
+
+from glm5_policy import STAGES, DecodeConfig, Policy
+
+Table = dict[str, dict[int, str | None]]  # stage -> capture size -> choice (None: stock)
+
+TIE = 0.01  # the smallest tie band: 1 % of the step
+# Simplest first after stock: the Triton boundary before the CuTe cluster kernel, the plain
+# KDA step before the one that projects its gates, one expert group per route before 16-row
+# groups.
+SIMPLER = {"boundary": ("triton", "cute"), "kda": ("fused", "fused_gates"),
+           "moe": ("per_route", "grouped")}  # fmt: skip
+# The order stages are tuned in: the ones that own most of the step first; moe before the
+# router and shared expert it runs inside its own launches where it serves a size.
+ORDER = ("moe", "boundary", "kda", "kda_proj", "dsa_attn", "dsa_indexer", "dsa_kpool",
+         "dsa_proj", "router", "shared_expert", "dense_mlp", "logits_head")  # fmt: skip
+KEPT = frozenset({"logits_gather"})  # not measurable on one GPU
+assert set(ORDER) | KEPT == set(STAGES)
+
+
+def candidates(stage: str) -> list[str | None]:
+    """Stock, then the stage's built choices, simplest first."""
+    order = SIMPLER.get(stage, ())
+    return [None, *sorted(STAGES[stage], key=lambda c: (order.index(c) if c in order else 0, c))]
+
+
+def pick(times: dict[str | None, float], band: float) -> str | None:
+    """The simplest choice (`times` in candidates' order) within `band` (relative) of the
+    fastest."""
+    best = min(times.values())
+    return next(c for c, ms in times.items() if ms <= best * (1 + band))
+
+
+def policy_json(table: Table, sizes: Sequence[int]) -> dict:
+    """The table as policy JSON: capture size s_i's choice covers s_(i-1)+1 .. s_i (a step is
+    padded up to a capture size, so no other count is ever planned); consecutive sizes of one
+    choice join; stock entries are left out (a stage never chosen: null)."""
+    sizes = sorted(sizes)
+    out: dict = {}
+    for stage in STAGES:
+        spans: list[list] = []
+        for lo, hi in zip([0, *sizes], sizes, strict=False):
+            choice = table.get(stage, {}).get(hi)
+            if choice is not None and spans and spans[-1][2] == choice and spans[-1][1] == lo:
+                spans[-1][1] = hi
+            elif choice is not None:
+                spans.append([lo + 1, hi, choice])
+        out[stage] = {(f"{a}-{b}" if a != b else str(a)): c for a, b, c in spans} or None
+    return out
+
+
+def from_policy(policy: Policy, sizes: Sequence[int]) -> Table:
+    return {stage: {m: policy(stage, m) for m in sizes} for stage in STAGES}
+
+
+def as_policy(table: Table, sizes: Sequence[int]) -> Policy:
+    return Policy.from_json(policy_json(table, sizes))
+
+
+def markdown(table: Table, sizes: Sequence[int]) -> str:
+    """Choice x token count, one row per stage."""
+    head = "| stage | " + " | ".join(map(str, sizes)) + " |"
+    rule = "| --- |" + " --- |" * len(sizes)
+    rows = [f"| {s} | " + " | ".join(table[s].get(m) or "stock" for m in sizes) + " |"
+            for s in STAGES]  # fmt: skip
+    return "\n".join([head, rule, *rows])
+
+
+@contextmanager
+def _warnings() -> Iterator[list[str]]:
+    """The glm5 loggers' warnings while entered (a stage that runs stock says why)."""
+    caught: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            caught.append(record.getMessage())
+
+    handler = Keep(logging.WARNING)
+    loggers = [logging.getLogger(n) for n in ("glm5_runtime", "glm5_kernels", "glm5_comm")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    try:
+        yield caught
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+
+
+def tune(
+    time_table: Callable[[Table], tuple[dict[int, float], set[str], list[str]]],
+    start: Table,
+    sizes: Sequence[int],
+    stages: Sequence[str] = ORDER,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> dict:
+    """Coordinate descent over `stages` from `start`: per stage, every candidate at every size
+    (`time_table(table)` -> (ms per size, stages built, warnings)), the pick per size.
+    Returns the chosen table, each stage's measurements, the noise and the confirmation."""
+    table = {s: dict(v) for s, v in start.items()}
+    first, _, _ = time_table(table)
+    again, _, _ = time_table(table)
+    noise = {m: abs(first[m] - again[m]) / min(first[m], again[m]) for m in sizes}
+    band = {m: max(TIE, 2 * noise[m]) for m in sizes}
+    total = sum(len(candidates(s)) for s in stages) + 1
+    done, measured = 0, {}
+    for stage in stages:
+        runs: dict[str, dict] = {}
+        times: dict[int, dict[str | None, float]] = {m: {} for m in sizes}
+        for choice in candidates(stage):
+            label = choice or "stock"
+            if progress:
+                progress(done, total, f"{stage}: {label}")
+            done += 1
+            trial = {**table, stage: dict.fromkeys(sizes, choice)}
+            try:
+                ms, built, said = time_table(trial)
+            except Exception as e:  # a candidate that cannot run is a measurement too
+                runs[label] = {"failed": f"{type(e).__name__}: {e}"}
+                continue
+            if choice is not None and stage not in built:
+                why = [w for w in said if f"stage {stage} " in w] or said or ["no reason"]
+                runs[label] = {"failed": "did not build: " + "; ".join(why)}
+                continue
+            runs[label] = {"ms": ms, "warnings": said}
+            for m in sizes:
+                times[m][choice] = ms[m]
+        # A size where nothing ran keeps its choice (the error is in `runs`).
+        table[stage] = {m: pick(times[m], band[m]) if times[m] else table[stage][m]
+                        for m in sizes}  # fmt: skip
+        measured[stage] = {"candidates": runs, "picked": table[stage]}
+    if progress:
+        progress(total - 1, total, "confirming")
+    tuned, _, _ = time_table(table)
+    if progress:
+        progress(total, total, "done")
+    confirm = {m: {"start_ms": min(first[m], again[m]), "tuned_ms": tuned[m]} for m in sizes}
+    return {"table": table, "stages": measured, "noise": noise, "tie_band": band,
+            "confirm": confirm}  # fmt: skip
+
+
+def run(args) -> dict:
+    """The GPU side of `glm5-decode tune` (cli.py checked the arguments)."""
+    import torch
+
+    from glm5_kernels.timing import replay_times, warm_up
+
+    from .bench import _captured, _fill_caches, _forward, _progress, _step, _token_ids
+    from .decode import SpecializedDecode
+    from .reference import ReferenceModel, geometry
+    from .reference.backbone import ReferenceBackbone
+
+    q, sizes = args.q, sorted(int(t) for t in args.tokens.split(","))
+    g = geometry(args.geometry)
+    model = ReferenceModel.random(
+        g, seed=0, device="cuda", max_requests=max(sizes) // q, max_context=args.context + 16,
+        q=q,
+    )  # fmt: skip
+    for _ in range(max(sizes) // q):
+        model.add()
+    _fill_caches(model)
+    stock = nullcontext()
+    if args.vllm_ops:
+        from .vllm_stock import VllmStock
+
+        stock = VllmStock(model, args.vllm_ops)
+
+    def time_table(table: Table) -> tuple[dict[int, float], set[str], list[str]]:
+        config = DecodeConfig.build(max_context=args.context + 16, q=q, capture_sizes=sizes,
+                                    policy=as_policy(table, sizes))  # fmt: skip
+        with _warnings() as said:
+            decode = SpecializedDecode(ReferenceBackbone(model), config)
+            decode.prepare()
+        built = {decode.stage_of[id(op)] for op, _ in decode.ops}
+        ms = {}
+        for m in sizes:
+            requests, step = _step(model, m, q, args.context)
+            ids = _token_ids(model, len(requests), q)
+            with torch.no_grad(), stock:
+                graph = _captured(_forward(model, decode, "specialized", ids, step))
+                warm_up(graph)
+                ms[m] = statistics.median(replay_times(graph, args.iters))
+                del graph
+        del decode
+        torch.cuda.empty_cache()
+        return ms, built, said
+
+    start = from_policy(Policy.from_json(args.policy, family=args.family), sizes)
+    stages = args.stages.split(",") if args.stages else ORDER
+    result = tune(time_table, start, sizes, [s for s in ORDER if s in stages], _progress)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    table = result.pop("table")
+    return {
+        "benchmark": "glm5-decode tune",
+        "geometry": args.geometry,
+        "q": q,
+        "sizes": sizes,
+        "family": args.family,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": date.today().isoformat(),
+        "commit": args.commit or commit.stdout.strip() or "unknown",
+        "command": "glm5-decode tune " + " ".join(sys.argv[2:]),
+        "context": args.context,
+        "iters": args.iters,
+        "stock": "vLLM 0.33's experts, KDA core and mHC pre (VllmStock), torch elsewhere"
+        if args.vllm_ops
+        else "the reference backbone's torch ops",
+        "policy": policy_json(table, sizes),
+        "table": markdown(table, sizes),
+        **result,
+    }
+
+
+def show(result: dict) -> str:
+    """What a run prints: the chosen table, the confirmation, the policy JSON line."""
+    lines = [result["table"], "", "| tokens | start ms | tuned ms |", "| ---: | ---: | ---: |"]
+    for m, c in result["confirm"].items():
+        lines.append(f"| {m} | {c['start_ms']:.3f} | {c['tuned_ms']:.3f} |")
+    lines += ["", "policy: " + json.dumps(result["policy"], separators=(",", ":"))]
+    return "\n".join(lines)

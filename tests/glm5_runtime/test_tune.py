@@ -1,0 +1,153 @@
+"""`glm5-decode tune`'s search over a synthetic step (`tune.tune` with a timing function whose
+costs are known, so the right table is known): per size the fastest choice, ties within the
+noise to the simpler one, a candidate that fails to build or to run recorded and never
+picked, the chosen table written as policy JSON the policy parser reads back to the same
+choice at every planned count. The GPU side (`tune.run`) times the real step."""
+
+import random
+
+import pytest
+
+from glm5_policy import STAGES, Policy
+from glm5_runtime import tune
+from glm5_runtime.tune import candidates, from_policy, pick, policy_json
+
+SIZES = [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_candidates_are_stock_then_every_built_choice_simplest_first():
+    for stage in tune.ORDER:
+        c = candidates(stage)
+        assert c[0] is None and set(c[1:]) == STAGES[stage] and len(c) == len(STAGES[stage]) + 1
+    assert candidates("boundary") == [None, "triton", "cute"]
+    assert candidates("kda") == [None, "fused", "fused_gates"]
+
+
+def test_pick_takes_the_fastest_unless_a_simpler_one_is_within_the_band():
+    assert pick({None: 10.0, "a": 9.0, "b": 8.0}, 0.01) == "b"
+    assert pick({None: 10.0, "a": 8.05, "b": 8.0}, 0.01) == "a"  # 0.6 % slower: a tie
+    assert pick({None: 8.07, "a": 8.05, "b": 8.0}, 0.01) == None  # noqa: E711 (stock)
+    assert pick({None: 8.09, "a": 8.05, "b": 8.0}, 0.01) == "a"  # stock 1.1 % off
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_policy_json_reads_back_to_the_table_at_every_planned_count(seed):
+    rng = random.Random(seed)
+    sizes = sorted(rng.sample(range(1, 65), rng.randint(1, 12)))
+    table = {s: {m: rng.choice(candidates(s)) for m in sizes} for s in STAGES}
+    policy = Policy.from_json(policy_json(table, sizes))  # no family: only the table
+    for stage in STAGES:
+        for lo, hi in zip([0, *sizes], sizes, strict=False):
+            # Every count a step of it pads up to `hi` takes hi's choice.
+            assert {policy(stage, m) for m in range(lo + 1, hi + 1)} == {table[stage][hi]}
+        assert all(policy(stage, m) is None for m in range(sizes[-1] + 1, 65))
+    assert from_policy(policy, sizes) == table
+
+
+def test_policy_json_joins_runs_and_leaves_stock_out():
+    table = {s: dict.fromkeys(SIZES) for s in STAGES}
+    table["moe"] = {1: "per_route", 2: "per_route", 4: "per_route", 8: None, 16: "grouped",
+                    32: "grouped", 64: "grouped"}  # fmt: skip
+    table["kda"] = {m: "fused" if m == 1 else None for m in SIZES}
+    out = policy_json(table, SIZES)
+    assert out["moe"] == {"1-4": "per_route", "9-64": "grouped"}
+    assert out["kda"] == {"1": "fused"}
+    assert out["router"] is None
+
+
+class Step:
+    """A synthetic step: a base time per size plus, per stage, the cost of each choice at
+    each size (random, fixed by the seed); `broken` choices fail to build (the stage is not
+    among the built ones, with a warning), `raising` ones raise."""
+
+    def __init__(self, seed, broken=(), raising=()):
+        rng = random.Random(seed)
+        self.cost = {(s, c, m): rng.uniform(0.0, 1.0) for s in STAGES for c in candidates(s)
+                     for m in SIZES}  # fmt: skip
+        self.broken, self.raising, self.calls = set(broken), set(raising), 0
+
+    def __call__(self, table):
+        self.calls += 1
+        for stage, by_size in table.items():
+            for c in set(by_size.values()):
+                if (stage, c) in self.raising:
+                    raise RuntimeError(f"{stage}: {c} failed to capture")
+        built = {s for s, by in table.items() if any(c is not None for c in by.values())}
+        said = []
+        for stage, c in self.broken:
+            if c in table[stage].values():
+                built.discard(stage)
+                said.append(f"Specialized decode: stage {stage} runs stock (no kernel)")
+
+        def cost(s, c, m):  # a stage that did not build runs stock
+            return self.cost[s, None if s not in built else c, m]
+
+        ms = {m: 5.0 + sum(cost(s, by[m], m) for s, by in table.items()) for m in SIZES}
+        return ms, built, said
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tune_finds_each_size_s_fastest_choice(seed):
+    step = Step(seed)
+    start = {s: dict.fromkeys(SIZES) for s in STAGES}
+    result = tune.tune(step, start, SIZES)
+    for stage in tune.ORDER:
+        runs = result["stages"][stage]["candidates"]
+        for m in SIZES:
+            ms = {c: runs[c or "stock"]["ms"][m] for c in candidates(stage)}
+            # Each candidate was timed with only this stage changed: the differences are
+            # the synthetic costs'.
+            for c in candidates(stage):
+                want = step.cost[stage, c, m] - step.cost[stage, None, m]
+                assert ms[c] - ms[None] == pytest.approx(want), (stage, c, m)
+            got, best = result["table"][stage][m], min(ms.values())
+            assert ms[got] <= best * (1 + tune.TIE), (stage, m)  # within the band ...
+            simpler = candidates(stage)[: candidates(stage).index(got)]
+            assert all(ms[c] > best * (1 + tune.TIE) for c in simpler), (stage, m)  # simplest
+    assert result["table"]["logits_gather"] == start["logits_gather"]  # not tuned
+    # Two starting runs, every candidate once, the confirmation.
+    assert step.calls == 2 + sum(len(candidates(s)) for s in tune.ORDER) + 1
+    for m, c in result["confirm"].items():
+        assert c["tuned_ms"] <= c["start_ms"] * (1 + tune.TIE * len(tune.ORDER)), m
+    assert all(b == tune.TIE for b in result["tie_band"].values())  # a noiseless step
+
+
+def test_a_choice_that_does_not_build_or_run_is_recorded_and_never_picked():
+    step = Step(0, broken={("boundary", "cute")}, raising={("kda", "fused")})
+    for m in SIZES:  # make both the fastest by far, were they to run
+        step.cost["boundary", "cute", m] = step.cost["kda", "fused", m] = -10.0
+    result = tune.tune(step, {s: dict.fromkeys(SIZES) for s in STAGES}, SIZES)
+    runs = result["stages"]["boundary"]["candidates"]
+    assert runs["cute"]["failed"].startswith("did not build: Specialized decode: stage boundary")
+    assert "ms" in runs["stock"] and "ms" in runs["triton"]
+    assert result["stages"]["kda"]["candidates"]["fused"] == {
+        "failed": "RuntimeError: kda: fused failed to capture"
+    }
+    assert "cute" not in result["table"]["boundary"].values()
+    assert "fused" not in result["table"]["kda"].values()
+
+
+def test_noise_widens_the_tie_band():
+    step = Step(1)
+    runs = iter([1.10, 1.0])  # the two starting runs differ by 10 %
+
+    def noisy(table):
+        ms, built, said = step(table)
+        scale = next(runs, 1.0)
+        return {m: t * scale for m, t in ms.items()}, built, said
+
+    result = tune.tune(noisy, {s: dict.fromkeys(SIZES) for s in STAGES}, SIZES, ["moe"])
+    assert all(b == pytest.approx(0.2) for b in result["tie_band"].values())
+    assert list(result["stages"]) == ["moe"]
+
+
+def test_markdown_and_show():
+    table = {s: dict.fromkeys(SIZES) for s in STAGES}
+    table["moe"] = dict.fromkeys(SIZES, "grouped")
+    text = tune.markdown(table, SIZES)
+    assert text.splitlines()[0] == "| stage | 1 | 2 | 4 | 8 | 16 | 32 | 64 |"
+    assert "| moe | grouped | grouped |" in text and "| kda | stock |" in text
+    shown = tune.show({"table": text, "policy": policy_json(table, SIZES),
+                       "confirm": {1: {"start_ms": 2.0, "tuned_ms": 1.5}}})  # fmt: skip
+    assert "| 1 | 2.000 | 1.500 |" in shown
+    assert shown.splitlines()[-1].startswith('policy: {"moe":{"1-64":"grouped"}')
