@@ -41,8 +41,8 @@ from glm5_runtime.vllm_stock import VllmKernels
 K = V = 128
 W, LOWER_BOUND, EPS = 4, -5.0, 1e-5
 L2_BYTES = 50 << 20
-SWEEP = ((16, 1), (16, 2), (16, 4), (32, 1), (32, 2), (32, 4), (64, 4), (64, 8), (128, 4), (128, 8),
-         (128, 16))
+SWEEP = ((16, 1), (16, 2), (16, 4), (32, 1), (32, 2), (32, 4), (64, 4), (64, 8), (128, 4),
+         (128, 8), (128, 16))  # fmt: skip
 
 
 def vllm_ops(folder: str):

@@ -45,11 +45,13 @@ def _up(x, w):
     return (x.float() @ w.float().T).bfloat16()
 
 
-@pytest.mark.parametrize(
-    "heads, requests, q, rank",
-    [(16, 1, 1, 0), (16, 8, 2, 0), (16, 24, 2, 0), (64, 3, 4, 0), (16, 32, 4, 0), (16, 1, 1, 128),
-     (16, 8, 2, 128)],
-)
+# (heads, requests, q, rank): one request, a split head (8 x 2), the one-warp slices of a
+# 2-token verify at 384 heads x requests, a whole head (64 x 3 x 4), and the fused_gates kernel.
+CASES = [(16, 1, 1, 0), (16, 8, 2, 0), (16, 24, 2, 0), (64, 3, 4, 0), (16, 32, 4, 0),
+         (16, 1, 1, 128), (16, 8, 2, 128)]  # fmt: skip
+
+
+@pytest.mark.parametrize("heads, requests, q, rank", CASES)
 def test_consecutive_steps_equal_the_reference(heads, requests, q, rank):
     """rank > 0: the fused_gates kernel (f_b, g_b in the kernel; the calls hand it f_a and
     g_a of the model's rank, the reference their BF16 up-projections)."""
