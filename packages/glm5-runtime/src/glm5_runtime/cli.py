@@ -13,9 +13,9 @@ table measured on this GPU (`tune`).
 
 Every bad input is one line on stderr and exit status 2, before any work starts: argparse
 checks each value and the values together; the commands then check what needs torch (the
-device, the memory the model takes). Torch is imported inside `demo`, `bench` and `tune` only, so
-`--help` and `table` answer at once. Ctrl-C stops a command with one line and exit status
-130.
+device, the memory the model takes). Torch is imported inside `demo`, `bench` and `tune`
+only, so `--help` and `table` answer at once. Ctrl-C stops a command with one line and exit
+status 130.
 """
 
 from __future__ import annotations
