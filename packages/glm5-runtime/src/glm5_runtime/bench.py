@@ -44,7 +44,8 @@ from .reference.backbone import ReferenceBackbone
 from .reference.stages import _pages
 from .results import BETWEEN, STAGES, plot, table
 
-__all__ = ["StageMarks", "call_launches", "floor_bytes", "graph_nodes", "plot", "run", "table"]
+__all__ = ["StageMarks", "bench_model", "call_launches", "floor_bytes", "graph_nodes", "plot",
+           "run", "table"]  # fmt: skip
 
 
 @contextmanager
@@ -172,6 +173,17 @@ def _fill_caches(model: ReferenceModel, seed: int = 0) -> None:
             scales.copy_(0.01 + torch.rand(scales.shape, generator=gen, device=t.device) / 100)
 
 
+def bench_model(g, requests: int, context: int, q: int) -> ReferenceModel:
+    """The random-weight model a GPU run times: `requests` requests held (context + 16
+    tokens of room each), its caches filled at random (`_fill_caches`)."""
+    model = ReferenceModel.random(g, seed=0, device="cuda", max_requests=requests,
+                                  max_context=context + 16, q=q)  # fmt: skip
+    for _ in range(requests):
+        model.add()
+    _fill_caches(model)
+    return model
+
+
 def _token_ids(model: ReferenceModel, requests: int, q: int) -> torch.Tensor:
     """Token ids [requests, q] in the first held rank's vocabulary slice: a rank embeds only
     its own rows, so with one rank of TP held, other ids would embed to zeros."""
@@ -270,13 +282,7 @@ def run(args) -> dict:
     tokens = [int(t) for t in args.tokens.split(",")]
     stock = getattr(args, "stock", "both")
     stocks = {"both": "reference,torch"}.get(stock, stock).split(",")
-    model = ReferenceModel.random(
-        g, seed=0, device="cuda", max_requests=max(tokens) // q, max_context=args.context + 16,
-        q=q,
-    )  # fmt: skip
-    for _ in range(max(tokens) // q):
-        model.add()
-    _fill_caches(model)
+    model = bench_model(g, max(tokens) // q, args.context, q)
     config = DecodeConfig.build(
         max_context=args.context + 16, q=q, capture_sizes=tokens, policy=args.policy,
         family=args.family,

@@ -177,20 +177,14 @@ def run(args) -> dict:
 
     from glm5_kernels.timing import replay_times, warm_up
 
-    from .bench import _captured, _fill_caches, _forward, _progress, _step, _token_ids
+    from .bench import _captured, _forward, _progress, _step, _token_ids, bench_model
     from .decode import SpecializedDecode
-    from .reference import ReferenceModel, geometry
+    from .reference import geometry
     from .reference.backbone import ReferenceBackbone
 
     q, sizes = args.q, sorted(int(t) for t in args.tokens.split(","))
     g = geometry(args.geometry)
-    model = ReferenceModel.random(
-        g, seed=0, device="cuda", max_requests=max(sizes) // q, max_context=args.context + 16,
-        q=q,
-    )  # fmt: skip
-    for _ in range(max(sizes) // q):
-        model.add()
-    _fill_caches(model)
+    model = bench_model(g, max(sizes) // q, args.context, q)
     stock = nullcontext()
     if args.vllm_ops:
         from .vllm_stock import VllmStock
