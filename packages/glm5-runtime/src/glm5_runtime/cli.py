@@ -458,14 +458,11 @@ def _problem(args) -> str | None:
             )
         if not args.compare and (args.policy is not None or args.family is not None):
             return "--policy and --family: choose the specialized decode's stages (--compare)"
-    elif args.command == "tune":
+    elif args.command in ("bench", "tune"):
         uneven = [t for t in map(int, args.tokens.split(",")) if t % args.q]
         if uneven:
             return f"--tokens {args.tokens}: {uneven} not multiples of --q {args.q}"
-    elif args.command == "bench":
-        uneven = [t for t in map(int, args.tokens.split(",")) if t % args.q]
-        if uneven:
-            return f"--tokens {args.tokens}: {uneven} not multiples of --q {args.q}"
+    if args.command == "bench":
         if args.plot and not args.out:
             return "--plot: needs --out (the plot is drawn from the results file)"
         vllm = "vllm" in args.stock.split(",")
