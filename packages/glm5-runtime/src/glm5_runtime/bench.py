@@ -45,7 +45,7 @@ from .reference.stages import _pages
 from .results import BETWEEN, STAGES, plot, table
 
 __all__ = ["StageMarks", "bench_model", "call_launches", "floor_bytes", "graph_nodes", "plot",
-           "run", "table"]  # fmt: skip
+           "provenance", "run", "table"]  # fmt: skip
 
 
 @contextmanager
@@ -171,6 +171,22 @@ def _fill_caches(model: ReferenceModel, seed: int = 0) -> None:
             keys, scales = _pages(t)  # vLLM's pages: FP8 pool keys, then FP32 scales
             keys.copy_(randn(keys).to(torch.float8_e4m3fn).view(torch.uint8))
             scales.copy_(0.01 + torch.rand(scales.shape, generator=gen, device=t.device) / 100)
+
+
+def provenance(command: str, args) -> dict:
+    """What a `glm5-decode <command>` results file says of its run: the geometry and context
+    timed, the GPU, torch, date, commit and command line."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return {
+        "benchmark": f"glm5-decode {command}",
+        "geometry": args.geometry,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": date.today().isoformat(),
+        "commit": args.commit or commit.stdout.strip() or "unknown",
+        "command": f"glm5-decode {command} " + " ".join(sys.argv[2:]),
+        "context": args.context,
+    }
 
 
 def bench_model(g, requests: int, context: int, q: int) -> ReferenceModel:
@@ -351,16 +367,8 @@ def run(args) -> dict:
             + f"; floor {floor_ms:.2f} ms (specialized {row['specialized_to_floor']:.1f}x)"
         )
         torch.cuda.empty_cache()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     return {
-        "benchmark": "glm5-decode bench",
-        "geometry": args.geometry,
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "date": date.today().isoformat(),
-        "commit": args.commit or commit.stdout.strip() or "unknown",
-        "command": "glm5-decode bench " + " ".join(sys.argv[2:]),
-        "context": args.context,
+        **provenance("bench", args),
         "policy": decode.policy.to_json(),
         "stages_built": sorted({type(op).__name__ for op, _ in decode.ops}),
         "library_kernels": library_kernels,

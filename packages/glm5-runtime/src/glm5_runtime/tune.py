@@ -27,11 +27,8 @@ from __future__ import annotations
 import json
 import logging
 import statistics
-import subprocess
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from datetime import date
 
 from glm5_policy import STAGES, DecodeConfig, Policy
 
@@ -177,7 +174,7 @@ def run(args) -> dict:
 
     from glm5_kernels.timing import replay_times, warm_up
 
-    from .bench import _captured, _forward, _progress, _step, _token_ids, bench_model
+    from .bench import _captured, _forward, _progress, _step, _token_ids, bench_model, provenance
     from .decode import SpecializedDecode
     from .reference import geometry
     from .reference.backbone import ReferenceBackbone
@@ -214,20 +211,12 @@ def run(args) -> dict:
     start = from_policy(Policy.from_json(args.policy, family=args.family), sizes)
     stages = args.stages.split(",") if args.stages else ORDER
     result = tune(time_table, start, sizes, [s for s in ORDER if s in stages], _progress)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     table = result.pop("table")
     return {
-        "benchmark": "glm5-decode tune",
-        "geometry": args.geometry,
+        **provenance("tune", args),
         "q": q,
         "sizes": sizes,
         "family": args.family,
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "date": date.today().isoformat(),
-        "commit": args.commit or commit.stdout.strip() or "unknown",
-        "command": "glm5-decode tune " + " ".join(sys.argv[2:]),
-        "context": args.context,
         "iters": args.iters,
         "stock": "vLLM 0.33's experts, KDA core and mHC pre (VllmStock), torch elsewhere"
         if args.vllm_ops
