@@ -279,6 +279,26 @@ def table_files(args) -> None:
     print(table(args.results))
 
 
+def _timed_steps(parser: argparse.ArgumentParser, tokens: str, what: str) -> None:
+    """The steps a GPU command times (bench, tune): the geometry, token counts, q, context
+    and replays."""
+    parser.add_argument("--geometry", default="flash-tp4-rank", **_GEOMETRY)
+    parser.add_argument(
+        "--tokens", type=_token_counts, default=tokens,
+        help=f"{what}, comma-separated, each a multiple of --q",
+    )  # fmt: skip
+    parser.add_argument(
+        "--q", type=_integer(1, MAX_Q), default=1,
+        help=f"tokens per request (1: decode, 2..{MAX_Q}: MTP verify)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--context", type=_count, default=4096, help="tokens already in each request"
+    )
+    parser.add_argument(
+        "--iters", type=_count, default=10, help="CUDA-graph replays timed per step"
+    )
+
+
 def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The `glm5-decode` parser and each command's own (which prints that command's usage
     above its errors)."""
@@ -345,21 +365,7 @@ def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         "step one CUDA graph), with the HBM floor and a per-stage breakdown. Needs a GPU.",
         formatter_class=formatter,
     )
-    b.add_argument("--geometry", default="flash-tp4-rank", **_GEOMETRY)
-    b.add_argument(
-        "--tokens",
-        type=_token_counts,
-        default="1,8,64",
-        help="token counts per step, comma-separated, each a multiple of --q",
-    )
-    b.add_argument(
-        "--q",
-        type=_integer(1, MAX_Q),
-        default=1,
-        help=f"tokens per request (1: decode, 2..{MAX_Q}: MTP verify)",
-    )
-    b.add_argument("--context", type=_count, default=4096, help="tokens already in each request")
-    b.add_argument("--iters", type=_count, default=10, help="CUDA-graph replays timed per step")
+    _timed_steps(b, "1,8,64", "token counts per step")
     b.add_argument(
         "--stock",
         type=_stocks,
@@ -397,17 +403,7 @@ def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         "write it with its measurements. Needs a GPU.",
         formatter_class=formatter,
     )
-    t.add_argument("--geometry", default="flash-tp4-rank", **_GEOMETRY)
-    t.add_argument(
-        "--tokens", type=_token_counts, default="1,2,4,8,16,32,64",
-        help="the capture sizes, comma-separated, each a multiple of --q",
-    )  # fmt: skip
-    t.add_argument(
-        "--q", type=_integer(1, MAX_Q), default=1,
-        help=f"tokens per request (1: decode, 2..{MAX_Q}: MTP verify)",
-    )  # fmt: skip
-    t.add_argument("--context", type=_count, default=4096, help="tokens already in each request")
-    t.add_argument("--iters", type=_count, default=10, help="CUDA-graph replays timed per step")
+    _timed_steps(t, "1,2,4,8,16,32,64", "the capture sizes")
     t.add_argument(
         "--vllm-ops", type=_vllm_folder, metavar="DIR",
         help="stock stages run vLLM 0.33's experts, KDA core and mHC pre from this folder of "
