@@ -380,3 +380,24 @@ def test_from_hf_plain_linear_attn_config_and_layer_names():
     expected = Geometry.from_hf(transformers.Glm5NextTextConfig(**d))
     assert expected.linear_head_dim == 32 and expected.linear_lower_bound == -5.0
     assert Geometry.from_hf(_plain(d)) == expected
+
+
+def test_tune_resume_is_checked_before_cuda(capsys, no_build, no_cuda, tmp_path):
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"rows": []}))
+    assert refused(capsys, ["tune", "--resume", str(bench)]) == (
+        "--resume: not a `glm5-decode tune --out` file"
+    )
+    assert refused(capsys, ["tune", "--resume", str(tmp_path / "none.json")]).startswith(
+        "argument --resume: cannot read"
+    )
+    cut = {"benchmark": "glm5-decode tune", "policy": {}, "stages": {}, "unfinished": True,
+           "geometry": "flash-tp4-rank", "context": 4096, "q": 1, "family": "sm90",
+           "sizes": [1, 2, 4, 8, 16, 32, 64], "iters": 10,
+           "stock": "the reference backbone's torch ops"}  # fmt: skip
+    part = tmp_path / "part.json"
+    part.write_text(json.dumps(cut))
+    assert refused(capsys, ["tune", "--resume", str(part), "--iters", "5"]) == (
+        "--resume: a different step: iters 10 there, 5 here"
+    )
+    assert refused(capsys, ["tune", "--resume", str(part)]).startswith("needs a CUDA GPU")

@@ -4,6 +4,7 @@ noise to the simpler one, a candidate that fails to build or to run recorded and
 picked, the chosen table written as policy JSON the policy parser reads back to the same
 choice at every planned count. The GPU side (`tune.run`) times the real step."""
 
+import json
 import random
 
 import pytest
@@ -151,3 +152,54 @@ def test_markdown_and_show():
                        "confirm": {1: {"start_ms": 2.0, "tuned_ms": 1.5}}})  # fmt: skip
     assert "| 1 | 2.000 | 1.500 |" in shown
     assert shown.splitlines()[-1].startswith('policy: {"moe":{"1-64":"grouped"}')
+
+
+def test_a_run_cut_short_goes_on_from_its_last_checkpoint_to_the_same_table():
+    step = Step(2)
+    start = {s: dict.fromkeys(SIZES) for s in STAGES}
+    whole = tune.tune(step, start, SIZES)
+    saved = []
+
+    class Cut(Exception):
+        pass
+
+    def cut_after_three(result):
+        # What run() writes: the table as policy JSON, JSON's string keys.
+        table = result["table"]
+        saved.append(json.loads(json.dumps({**result, "table": None,
+                                            "policy": policy_json(table, SIZES)})))  # fmt: skip
+        if len(saved) == 3:
+            raise Cut
+
+    first = Step(2)
+    with pytest.raises(Cut):
+        tune.tune(first, start, SIZES, checkpoint=cut_after_three)
+    assert saved[-1]["remaining"] == list(tune.ORDER[3:])
+    assert list(saved[-1]["stages"]) == list(tune.ORDER[:3])
+    table, prior = tune.resumed(saved[-1], SIZES)
+    again = Step(2)
+    result = tune.tune(again, table, SIZES, prior=prior)
+    assert result["table"] == whole["table"]
+    assert result["stages"] == whole["stages"] and result["confirm"] == whole["confirm"]
+    # No starting runs again and no stage re-timed: every candidate once over both runs.
+    assert first.calls + again.calls == step.calls
+
+
+def test_resume_refuses_a_file_of_another_step():
+    from argparse import Namespace
+
+    args = Namespace(geometry="flash-tp4-rank", context=4096, q=1, tokens="1,2", family="sm90",
+                     iters=10, vllm_ops=None, policy=None)  # fmt: skip
+    saved = {"benchmark": "glm5-decode tune", "policy": {}, "stages": {}, "unfinished": True,
+             **tune.timed_step(args)}  # fmt: skip
+    assert tune.resume_problem(saved, args) is None
+    assert tune.resume_problem({"rows": []}, args) == "not a `glm5-decode tune --out` file"
+    finished = {**saved, "unfinished": False}
+    assert tune.resume_problem(finished, args).startswith("that run finished")
+    assert tune.resume_problem(saved, Namespace(**{**vars(args), "policy": "{}"})) == (
+        "--policy: the starting table is the file's"
+    )
+    other = Namespace(**{**vars(args), "q": 2, "tokens": "2,4"})
+    assert tune.resume_problem(saved, other) == (
+        "a different step: q 1 there, 2 here; sizes [1, 2] there, [2, 4] here"
+    )

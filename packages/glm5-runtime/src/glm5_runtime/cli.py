@@ -138,8 +138,8 @@ def _new_file(path: str) -> str:
     return path
 
 
-def _results(path: str) -> str:
-    """A `glm5-decode bench --out` file."""
+def _json_file(path: str) -> dict:
+    """A JSON object's file, read."""
     try:
         with open(path) as f:
             result = json.load(f)
@@ -147,7 +147,14 @@ def _results(path: str) -> str:
         raise argparse.ArgumentTypeError(f"cannot read {path!r}: {error.strerror}") from None
     except ValueError:  # not JSON, or not even text
         raise argparse.ArgumentTypeError(f"{path!r} is not a JSON file") from None
-    if not isinstance(result, dict) or "rows" not in result:
+    if not isinstance(result, dict):
+        raise argparse.ArgumentTypeError(f"{path!r} holds no JSON object")
+    return result
+
+
+def _results(path: str) -> str:
+    """A `glm5-decode bench --out` file."""
+    if "rows" not in _json_file(path):
         raise argparse.ArgumentTypeError(f"{path!r} is not a glm5-decode bench results file")
     return path
 
@@ -419,7 +426,15 @@ def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         "--stages", type=_tuned_stages, default=None,
         help="comma-separated stages to tune (default: all; the others keep the starting table)",
     )  # fmt: skip
-    t.add_argument("--out", type=_new_file, help='results JSON (the table under "policy")')
+    t.add_argument(
+        "--out", type=_new_file,
+        help='results JSON (the table under "policy"), rewritten after each stage',
+    )  # fmt: skip
+    t.add_argument(
+        "--resume", type=_json_file, metavar="FILE",
+        help="go on from an unfinished --out file (a run cut short): its stages are kept, "
+        "the others timed; the same step's arguments",
+    )  # fmt: skip
     t.add_argument("--commit", help="the code's commit, where the tree's git lacks it")
     t.set_defaults(run=tune)
 
@@ -458,6 +473,11 @@ def _problem(args) -> str | None:
         uneven = [t for t in map(int, args.tokens.split(",")) if t % args.q]
         if uneven:
             return f"--tokens {args.tokens}: {uneven} not multiples of --q {args.q}"
+    if args.command == "tune" and args.resume is not None:
+        from .tune import resume_problem
+
+        if why := resume_problem(args.resume, args):
+            return f"--resume: {why}"
     if args.command == "bench":
         if args.plot and not args.out:
             return "--plot: needs --out (the plot is drawn from the results file)"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import statistics
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -122,18 +123,29 @@ def tune(
     sizes: Sequence[int],
     stages: Sequence[str] = ORDER,
     progress: Callable[[int, int, str], None] | None = None,
+    prior: dict | None = None,
+    checkpoint: Callable[[dict], None] | None = None,
 ) -> dict:
     """Coordinate descent over `stages` from `start`: per stage, every candidate at every size
     (`time_table(table)` -> (ms per size, stages built, warnings)), the pick per size.
-    Returns the chosen table, each stage's measurements, the noise and the confirmation."""
+    Returns the chosen table, each stage's measurements, the noise, the starting table's
+    times and the confirmation. `prior`: an unfinished run's result (`start` its table) to
+    go on from: its noise and starting times are kept, its measured stages not re-timed.
+    `checkpoint(result so far)` after each stage, `remaining` the stages still to time."""
     table = {s: dict(v) for s, v in start.items()}
-    first, _, _ = time_table(table)
-    again, _, _ = time_table(table)
-    noise = {m: abs(first[m] - again[m]) / min(first[m], again[m]) for m in sizes}
+    if prior is None:
+        first, _, _ = time_table(table)
+        again, _, _ = time_table(table)
+        start_ms = {m: min(first[m], again[m]) for m in sizes}
+        noise = {m: abs(first[m] - again[m]) / start_ms[m] for m in sizes}
+        measured: dict[str, dict] = {}
+    else:
+        start_ms, noise, measured = prior["start_ms"], prior["noise"], dict(prior["stages"])
     band = {m: max(TIE, 2 * noise[m]) for m in sizes}
-    total = sum(len(candidates(s)) for s in stages) + 1
-    done, measured = 0, {}
-    for stage in stages:
+    todo = [s for s in stages if s not in measured]
+    total = sum(len(candidates(s)) for s in todo) + 1
+    done = 0
+    for i, stage in enumerate(todo):
         runs: dict[str, dict] = {}
         times: dict[int, dict[str | None, float]] = {m: {} for m in sizes}
         for choice in candidates(stage):
@@ -158,14 +170,33 @@ def tune(
         table[stage] = {m: pick(times[m], band[m]) if times[m] else table[stage][m]
                         for m in sizes}  # fmt: skip
         measured[stage] = {"candidates": runs, "picked": table[stage]}
+        if checkpoint:
+            checkpoint({"table": table, "stages": measured, "noise": noise, "tie_band": band,
+                        "start_ms": start_ms, "remaining": todo[i + 1 :]})  # fmt: skip
     if progress:
         progress(total - 1, total, "confirming")
     tuned, _, _ = time_table(table)
     if progress:
         progress(total, total, "done")
-    confirm = {m: {"start_ms": min(first[m], again[m]), "tuned_ms": tuned[m]} for m in sizes}
+    confirm = {m: {"start_ms": start_ms[m], "tuned_ms": tuned[m]} for m in sizes}
     return {"table": table, "stages": measured, "noise": noise, "tie_band": band,
-            "confirm": confirm}  # fmt: skip
+            "start_ms": start_ms, "confirm": confirm}  # fmt: skip
+
+
+def resumed(saved: dict, sizes: Sequence[int]) -> tuple[Table, dict]:
+    """An unfinished `--out` file's table and the `prior` that `tune` goes on from (JSON
+    keeps the sizes as strings: back to ints)."""
+
+    def by_size(d: dict) -> dict:
+        return {int(m): v for m, v in d.items()}
+
+    table = from_policy(Policy.from_json(saved["policy"]), sizes)  # every stage named
+    stages = {s: {"candidates": {c: {**r, "ms": by_size(r["ms"])} if "ms" in r else r
+                                 for c, r in v["candidates"].items()},
+                  "picked": by_size(v["picked"])}
+              for s, v in saved["stages"].items()}  # fmt: skip
+    return table, {"start_ms": by_size(saved["start_ms"]), "noise": by_size(saved["noise"]),
+                   "stages": stages}  # fmt: skip
 
 
 def run(args) -> dict:
@@ -208,23 +239,64 @@ def run(args) -> dict:
         torch.cuda.empty_cache()
         return ms, built, said
 
-    start = from_policy(Policy.from_json(args.policy, family=args.family), sizes)
-    stages = args.stages.split(",") if args.stages else ORDER
-    result = tune(time_table, start, sizes, [s for s in ORDER if s in stages], _progress)
-    table = result.pop("table")
+    stages = [s for s in ORDER if s in (args.stages.split(",") if args.stages else ORDER)]
+    earlier: list[dict] = []
+    if args.resume:
+        saved = args.resume  # cli.py read it and checked it is this step's
+        start, prior = resumed(saved, sizes)
+        earlier = [*saved.get("earlier_runs", []), {k: saved[k] for k in RUN_KEYS}]
+    else:
+        start, prior = from_policy(Policy.from_json(args.policy, family=args.family), sizes), None
+    head = {**provenance("tune", args), **timed_step(args),
+            **({"earlier_runs": earlier} if earlier else {})}  # fmt: skip
+
+    def results(result: dict) -> dict:
+        table = result.pop("table")
+        return {**head, "policy": policy_json(table, sizes), "table": markdown(table, sizes),
+                **result}  # fmt: skip
+
+    def checkpoint(result: dict) -> None:
+        """The unfinished file (`--resume` goes on from it), replaced whole after each stage
+        so a run cut short leaves every stage it finished."""
+        if args.out:
+            with open(args.out + ".part", "w") as f:
+                json.dump({**results(result), "unfinished": True}, f, indent=1)
+            os.replace(args.out + ".part", args.out)
+
+    return results(tune(time_table, start, sizes, stages, _progress, prior, checkpoint))
+
+
+# What an unfinished file's run is remembered by in the file that finishes it.
+RUN_KEYS = ("command", "commit", "date", "gpu")
+
+
+def timed_step(args) -> dict:
+    """What a run times (an unfinished file and the command going on from it must agree)."""
     return {
-        **provenance("tune", args),
-        "q": q,
-        "sizes": sizes,
+        "geometry": args.geometry,
+        "context": args.context,
+        "q": args.q,
+        "sizes": sorted(int(t) for t in args.tokens.split(",")),
         "family": args.family,
         "iters": args.iters,
         "stock": "vLLM 0.33's experts, KDA core and mHC pre (VllmStock), torch elsewhere"
         if args.vllm_ops
         else "the reference backbone's torch ops",
-        "policy": policy_json(table, sizes),
-        "table": markdown(table, sizes),
-        **result,
     }
+
+
+def resume_problem(saved: dict, args) -> str | None:
+    """Why `--resume` cannot go on from `saved` with these arguments, or None."""
+    if saved.get("benchmark") != "glm5-decode tune" or not {"policy", "stages"} <= set(saved):
+        return "not a `glm5-decode tune --out` file"
+    if not saved.get("unfinished"):
+        return 'that run finished (its table is under "policy")'
+    if args.policy is not None:
+        return "--policy: the starting table is the file's"
+    step = timed_step(args)
+    differ = [f"{k} {saved.get(k)!r} there, {v!r} here" for k, v in step.items()
+              if saved.get(k) != v]  # fmt: skip
+    return "a different step: " + "; ".join(differ) if differ else None
 
 
 def show(result: dict) -> str:
