@@ -284,13 +284,19 @@ def test_table_imports_no_torch():
     script = """
 import sys
 from glm5_runtime.cli import main
-main(["table", "benchmarks/results/decode_h200_tp4.json"])
+tuned = "packages/glm5-policy/src/glm5_policy/defaults/measured/tune_h200_tp{}.json"
+main(["table", "benchmarks/results/decode_h200_tp4.json", tuned.format("4_q1"),
+      tuned.format("8_q1")])
 heavy = sorted(m for m in ("torch", "triton", "numpy") if m in sys.modules)
 assert not heavy, heavy
 """
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert run.returncode == 0 and run.stderr == "", run.stderr
     assert "| flash-tp4-rank | 1 |" in run.stdout and "| mhc, norms, reduce % |" in run.stdout
+    # Tune files: what ran, the chosen table, the confirmation (an unfinished run: says so).
+    tp4, tp8 = run.stdout.split("**flash-tp4-rank, q = 1**")[1].split("**flash-tp8-rank, q = 1**")
+    assert "| moe | per_route |" in tp4 and "| tokens | start ms | tuned ms |" in tp4
+    assert "(unfinished: kda, " in tp8 and "| tokens | start ms |\n" in tp8
 
 
 def test_ctrl_c_stops_the_demo_with_one_line_and_status_130():
@@ -401,3 +407,22 @@ def test_tune_resume_is_checked_before_cuda(capsys, no_build, no_cuda, tmp_path)
         "--resume: a different step: iters 10 there, 5 here"
     )
     assert refused(capsys, ["tune", "--resume", str(part)]).startswith("needs a CUDA GPU")
+
+
+def test_merge_prints_the_merged_policy_and_imports_no_torch(capsys, tmp_path):
+    script = """
+import glob, sys
+from glm5_runtime.cli import main
+main(["merge", *sorted(glob.glob("packages/glm5-policy/src/glm5_policy/defaults/measured/*"))])
+heavy = sorted(m for m in ("torch", "triton", "numpy") if m in sys.modules)
+assert not heavy, heavy
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    from glm5_policy import STAGES, Policy
+
+    printed, default = Policy.from_json(json.loads(run.stdout)), Policy.default("sm90")
+    assert all(printed.tables[s] == default.tables[s] for s in STAGES)
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"rows": []}))
+    assert refused(capsys, ["merge", str(bench)]).endswith("is not a glm5-decode tune results file")

@@ -203,3 +203,45 @@ def test_resume_refuses_a_file_of_another_step():
     assert tune.resume_problem(saved, other) == (
         "a different step: q 1 there, 2 here; sizes [1, 2] there, [2, 4] here"
     )
+
+
+def _result(table, measured):
+    return {"policy": policy_json(table, SIZES), "stages": {s: {} for s in measured}}
+
+
+def test_merge_keeps_what_every_result_picked_else_the_simplest_pick():
+    stock = {s: dict.fromkeys(SIZES) for s in STAGES}
+    q1 = {
+        **stock,
+        "moe": dict.fromkeys(SIZES, "grouped"),
+        "kda": dict.fromkeys(SIZES, "fused"),
+        "boundary": dict.fromkeys(SIZES, "cute"),
+        "logits_gather": dict.fromkeys(SIZES, "nvlink"),
+    }
+    q4 = {**q1, "moe": {**q1["moe"], 8: "per_route"}, "kda": {**q1["kda"], 2: None},
+          "boundary": dict.fromkeys(SIZES, "triton")}  # fmt: skip
+    measured = ["moe", "kda", "boundary"]  # logits_gather kept as the runs had it
+    out = Policy.from_json(tune.merged([_result(q1, measured), _result(q4, measured)]))
+    assert [out("moe", m) for m in (4, 5, 8, 9)] == ["grouped", "per_route", "per_route", "grouped"]
+    assert [out("kda", m) for m in (1, 2, 3)] == ["fused", None, "fused"]
+    assert {out("boundary", m) for m in range(1, 65)} == {"triton"}  # simpler than cute
+    assert {out("logits_gather", m) for m in range(1, 65)} == {"nvlink"}
+    # An unfinished result counts for the stages it measured only.
+    cut = _result({**q1, "kda": dict.fromkeys(SIZES)}, ["moe"])
+    assert Policy.from_json(tune.merged([_result(q1, measured), cut]))("kda", 1) == "fused"
+
+
+def test_the_sm90_default_is_the_merge_of_the_h200_tune_results():
+    """The shipped default is measured: the H200's tune runs (TP-4 q 1 and 4, the TP-8 one
+    as far as it ran), merged."""
+    from importlib import resources
+
+    folder = resources.files("glm5_policy").joinpath("defaults/measured")
+    results = [json.loads(f.read_text()) for f in folder.iterdir() if f.name.endswith(".json")]
+    runs = {(r["geometry"], r["q"]): r for r in results}
+    assert {("flash-tp4-rank", 1), ("flash-tp4-rank", 4), ("flash-tp8-rank", 1)} <= set(runs)
+    for r in results:
+        assert r["gpu"] == "NVIDIA H200" and r["stock"].startswith("vLLM 0.33's") and r["sizes"]
+    default, merged = Policy.default("sm90"), Policy.from_json(tune.merged(results))
+    for stage in STAGES:
+        assert default.tables[stage] == merged.tables[stage], stage

@@ -8,7 +8,9 @@ Three stocks: `reference`, the reference backbone's plain torch ops (the equival
 library calls (`glm5_runtime.library`: cuBLAS, torch's block-FP8 `_scaled_mm`, fla's KDA
 where it imports); `vllm`, the same step with its routed experts and KDA core on vLLM 0.33's
 own Triton kernels, loaded from a folder of the wheel's files (`glm5_runtime.vllm_stock`;
-`--vllm-ops DIR`), the path a vLLM user runs for those ops.
+`--vllm-ops DIR`), the path a vLLM user runs for those ops. Where the policy leaves a stage
+stock, the specialized side runs that op as the `vllm` stock does when it is timed (as in a
+vLLM server; `specialized_stock` in the results), else the reference's.
 Each stock names what runs each of its ops in the results (`stock_sources`, `library_kernels`).
 
 `--kernels` adds each step's kernel table (`glm5_runtime.kernel_table`): every kernel by
@@ -333,9 +335,10 @@ def run(args) -> dict:
             _progress(len(sides) * i + j, total, f"{b} tokens: {side}")
             # The specialized side's kernel table (a stock's holds 30,000-300,000 launches).
             plain = unlaunched if side == "specialized" else None
-            results[side] = _measure(
-                model, decode, side, ids, step, args.iters, plain, installs.get(side)
-            )
+            # Where the policy leaves a stage stock, the specialized side runs the vLLM
+            # stock's op when that stock is timed (as in a vLLM server), else the reference's.
+            ops = installs.get("vllm") if side == "specialized" else installs.get(side)
+            results[side] = _measure(model, decode, side, ids, step, args.iters, plain, ops)
             library_kernels = results[side].pop("kernels") or library_kernels
         traffic = {"requests": len(requests), "touched": touched}
         floor_ms = floor_bytes(model, b, args.context, **traffic) / bandwidth["floor"] * 1e3
@@ -373,6 +376,7 @@ def run(args) -> dict:
         "stages_built": sorted({type(op).__name__ for op, _ in decode.ops}),
         "library_kernels": library_kernels,
         "stock_sources": {s: op.sources for s, op in installs.items() if hasattr(op, "sources")},
+        "specialized_stock": "vllm" if "vllm" in installs else "reference",
         "vllm_files": installs["vllm"].vk.manifest if "vllm" in installs else None,
         "build_seconds": build_s,
         "bandwidth_tbps": {k: v / 1e12 for k, v in bandwidth.items()},

@@ -1,8 +1,8 @@
 """`glm5-decode`: the reference GLM-5.3-Flash backbone serving random prompts with greedy MTP
 drafting (`demo`: prefill, then draft / verify / accept steps, timed per step and per stage;
 `--compare`: the same prompts through the specialized decode too), stock vs specialized
-decode steps on the GPU (`bench`), their plot (`plot`) and tables (`table`), and the policy
-table measured on this GPU (`tune`).
+decode steps on the GPU (`bench`), their plot (`plot`) and tables (`table`), the policy
+table measured on this GPU (`tune`) and one table from several of those (`merge`).
 
     glm5-decode demo                                  # tiny geometry, CPU, a few seconds
     glm5-decode demo --compare --prompts 1 --steps 2  # + the specialized decode (CPU: ~2 min)
@@ -10,11 +10,12 @@ table measured on this GPU (`tune`).
     glm5-decode bench --geometry flash-tp4-rank --tokens 1,8,64 --out bench.json
     glm5-decode table bench.json
     glm5-decode tune --geometry flash-tp4-rank --q 1 --tokens 1,2,4,8,16,32,64 --out tune.json
+    glm5-decode merge tune.json tune_q4.json
 
 Every bad input is one line on stderr and exit status 2, before any work starts: argparse
 checks each value and the values together; the commands then check what needs torch (the
 device, the memory the model takes). Torch is imported inside `demo`, `bench` and `tune`
-only, so `--help` and `table` answer at once. Ctrl-C stops a command with one line and exit
+only, so `--help`, `table` and `merge` answer at once. Ctrl-C stops a command with one line and exit
 status 130.
 """
 
@@ -159,6 +160,22 @@ def _results(path: str) -> str:
     return path
 
 
+def _bench_or_tune(path: str) -> str:
+    """A `glm5-decode bench --out` or `tune --out` file."""
+    result = _json_file(path)
+    if "rows" not in result and result.get("benchmark") != "glm5-decode tune":
+        raise argparse.ArgumentTypeError(f"{path!r} is neither a bench nor a tune results file")
+    return path
+
+
+def _tune_file(path: str) -> dict:
+    """A `glm5-decode tune --out` file, read."""
+    result = _json_file(path)
+    if result.get("benchmark") != "glm5-decode tune" or not {"policy", "stages"} <= set(result):
+        raise argparse.ArgumentTypeError(f"{path!r} is not a glm5-decode tune results file")
+    return result
+
+
 def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
@@ -280,10 +297,20 @@ def plot_files(args) -> None:
     plot(args.results, args.out)
 
 
+def merge_files(args) -> None:
+    from .tune import merged  # no torch either
+
+    print(json.dumps(merged(args.results)))
+
+
 def table_files(args) -> None:
     from .results import table  # no torch: formatting JSON needs none
+    from .tune import summary
 
-    print(table(args.results))
+    read = [(path, _json_file(path)) for path in args.results]
+    benches = [path for path, r in read if "rows" in r]
+    print("\n\n".join([*([table(benches)] if benches else []),
+                        *(summary(r) for _, r in read if "rows" not in r)]))  # fmt: skip
 
 
 def _timed_steps(parser: argparse.ArgumentParser, tokens: str, what: str) -> None:
@@ -306,6 +333,9 @@ def _timed_steps(parser: argparse.ArgumentParser, tokens: str, what: str) -> Non
     )
 
 
+COMMANDS = "{demo,bench,tune,merge,plot,table}"
+
+
 def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The `glm5-decode` parser and each command's own (which prints that command's usage
     above its errors)."""
@@ -316,7 +346,9 @@ def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         "stock vs specialized decode benchmark.",
         formatter_class=formatter,
     )
-    sub = top.add_subparsers(dest="command", required=True, metavar="{demo,bench,tune,plot,table}")
+    sub = top.add_subparsers(
+        dest="command", required=True, metavar="{demo,bench,tune,merge,plot,table}"
+    )
     d = sub.add_parser(
         "demo",
         help="serve a few random prompts on the reference backbone (random weights)",
@@ -438,9 +470,10 @@ def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     t.add_argument("--commit", help="the code's commit, where the tree's git lacks it")
     t.set_defaults(run=tune)
 
-    def results_command(name: str, run, help: str, description: str):
+    def results_command(name: str, run, help: str, description: str, kind=_results,
+                        files="`glm5-decode bench --out` files"):  # fmt: skip
         c = sub.add_parser(name, help=help, description=description, formatter_class=formatter)
-        c.add_argument("results", nargs="+", type=_results, help="`glm5-decode bench --out` files")
+        c.add_argument("results", nargs="+", type=kind, help=files)
         c.set_defaults(run=run)
         return c
 
@@ -451,10 +484,22 @@ def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )  # fmt: skip
     p.add_argument("--out", required=True, type=_new_file, help="the PNG to write")
     results_command(
-        "table", table_files, "print bench results JSON files as markdown tables",
-        "Each step's time per side, kernels per step and ratios, then the stage split: the "
-        "runtime README's tables, straight from the results files.",
+        "table", table_files, "print bench or tune results JSON files as markdown tables",
+        "Bench files: each step's time per side, kernels per step and ratios, then the stage "
+        "split. Tune files: the chosen table, the confirmation and the policy. The runtime "
+        "README's tables, straight from the results files.",
+        _bench_or_tune, "`glm5-decode bench --out` or `tune --out` files",
     )  # fmt: skip
+    m = sub.add_parser(
+        "merge", help="one policy table from several tune results",
+        description="The table a deployment serving several q's (or TP geometries) runs: at "
+        "each token count the choice every tune result picked, else the simplest of their "
+        "picks. The shipped SM90 default is this over the H200's results. Prints the policy "
+        "JSON.",
+        formatter_class=formatter,
+    )  # fmt: skip
+    m.add_argument("results", nargs="+", type=_tune_file, help="`glm5-decode tune --out` files")
+    m.set_defaults(run=merge_files)
     return top, sub.choices
 
 

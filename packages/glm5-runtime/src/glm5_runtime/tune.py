@@ -31,7 +31,7 @@ import statistics
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 
-from glm5_policy import STAGES, DecodeConfig, Policy
+from glm5_policy import MAX_TOKENS, STAGES, DecodeConfig, Policy
 
 Table = dict[str, dict[int, str | None]]  # stage -> capture size -> choice (None: stock)
 
@@ -78,6 +78,25 @@ def policy_json(table: Table, sizes: Sequence[int]) -> dict:
                 spans.append([lo + 1, hi, choice])
         out[stage] = {(f"{a}-{b}" if a != b else str(a)): c for a, b, c in spans} or None
     return out
+
+
+def merged(results: Sequence[dict]) -> dict:
+    """One table from several tune results (each q, each geometry a deployment serves): at
+    each token count 1..64 the choice every result that measured the stage picked, else the
+    simplest of their picks — a choice enters only where it was the best, or tied with it,
+    in every one. A stage no result measured: the same rule over the tables they ran. (The
+    SM90 default is this over the H200's results: tests/glm5_runtime/test_tune.py.)"""
+    counts = range(1, MAX_TOKENS + 1)
+    tables = [(set(r["stages"]), from_policy(Policy.from_json(r["policy"]), counts))
+              for r in results]  # fmt: skip
+    table: Table = {}
+    for stage in STAGES:
+        picks = [t[stage] for measured, t in tables if stage in measured]
+        picks = picks or [t[stage] for _, t in tables]  # not measured (`KEPT`): as they ran
+        order = candidates(stage)
+        table[stage] = {m: min((p[m] for p in picks), key=order.index, default=None)
+                        for m in counts}  # fmt: skip
+    return policy_json(table, counts)
 
 
 def from_policy(policy: Policy, sizes: Sequence[int]) -> Table:
@@ -299,10 +318,26 @@ def resume_problem(saved: dict, args) -> str | None:
     return "a different step: " + "; ".join(differ) if differ else None
 
 
+def summary(result: dict) -> str:
+    """A results file for a README: what ran where, then `show`'s tables (an unfinished
+    run: its measured stages, the rest as it started)."""
+    where = (f"**{result['geometry']}, q = {result['q']}** — {result['gpu']}, "
+             f"{result['date']}, commit {result['commit']}: `{result['command']}`")  # fmt: skip
+    if result.get("unfinished"):
+        where += f" (unfinished: {', '.join(result['remaining'])} not yet timed)"
+    return where + "\n\n" + show(result)
+
+
 def show(result: dict) -> str:
-    """What a run prints: the chosen table, the confirmation, the policy JSON line."""
-    lines = [result["table"], "", "| tokens | start ms | tuned ms |", "| ---: | ---: | ---: |"]
-    for m, c in result["confirm"].items():
-        lines.append(f"| {m} | {c['start_ms']:.3f} | {c['tuned_ms']:.3f} |")
+    """What a run prints: the chosen table, the confirmation (a finished run; an unfinished
+    one: the starting table's times), the policy JSON line."""
+    lines = [result["table"], ""]
+    if "confirm" in result:
+        lines += ["| tokens | start ms | tuned ms |", "| ---: | ---: | ---: |"]
+        lines += [f"| {m} | {c['start_ms']:.3f} | {c['tuned_ms']:.3f} |"
+                  for m, c in result["confirm"].items()]  # fmt: skip
+    else:
+        lines += ["| tokens | start ms |", "| ---: | ---: |"]
+        lines += [f"| {m} | {ms:.3f} |" for m, ms in result["start_ms"].items()]
     lines += ["", "policy: " + json.dumps(result["policy"], separators=(",", ":"))]
     return "\n".join(lines)
