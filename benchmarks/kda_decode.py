@@ -2,16 +2,19 @@
 safe gate at -5): `KdaDecode` (one launch) vs the stock path as vLLM 0.33 runs it, the torch
 reference, and the HBM floor.
 
-Stock ("fla"): vLLM 0.33's `KimiGatedDeltaNet._forward` decode ops, in its order: its
-`causal_conv1d_update` (the conv state moved in place, the accepted-offset rule for a
-verify), the fla recurrence with the gate and beta in the kernel, state in place
-(`fused_recurrent_kda_packed_decode` for one token, `fused_recurrent_kda` with
-`num_accepted_tokens` for a verify), then fla-core's `rms_norm_gated` and vLLM's copy of its
-result into the attention output. vLLM is not installed on the GPU host: `--vllm-ops DIR`
-names a folder of vLLM 0.33's files (`benchmarks/vllm_files.py` makes it), of which these
-ops are `model_executor/layers/mamba/ops/causal_conv1d.py` and
-`models/kimi_k3/nvidia/ops/third_party/kda/fused_recurrent.py`, loaded by
-`glm5_runtime.vllm_stock.VllmKernels` with stand-ins for the vLLM helpers they import.
+Two stocks, vLLM 0.33's decode ops for the two KDA models it ships. "glm" (GLM-5.3-Flash's
+own, what a vLLM server runs for this model: `Glm5NextLinearAttention`): its
+`causal_conv1d_update`, GLM-5's `fused_recurrent_kda` with the gate, beta and q / k norms in
+the kernel and `num_accepted_tokens` for a verify, vLLM's `rms_norm_gated`
+(`glm5_runtime.vllm_stock.kda_core`, the whole-step `VllmStock`'s KDA core). "fla" (Kimi-K3's
+`KimiGatedDeltaNet._forward`): the same conv, the fla recurrence
+(`fused_recurrent_kda_packed_decode` for one token, `fused_recurrent_kda` for a verify), then
+fla-core's `rms_norm_gated` and vLLM's copy of its result into the attention output. Both
+take their int32 indices and contiguous q | k | v built outside the graph, as vLLM's
+metadata builder and projection hand them (once a step, for every layer). vLLM is not
+installed on the GPU host: `--vllm-ops DIR` names a folder of vLLM 0.33's files
+(`benchmarks/vllm_files.py` makes it), loaded by `glm5_runtime.vllm_stock.VllmKernels` with
+stand-ins for the vLLM helpers they import.
 
 Floor: the bytes a step must move ÷ `hbm_bandwidth()` of the same run — the recurrent state
 read once and written once per stored token, the conv window read and its new columns
@@ -36,7 +39,7 @@ from provenance import floor_bandwidth, provenance, result_args, write_result
 from glm5_kernels.kda import KdaDecode, kda_decode_ref
 from glm5_kernels.timing import graph_calls_us
 from glm5_runtime.bench import call_launches
-from glm5_runtime.vllm_stock import VllmKernels
+from glm5_runtime.vllm_stock import VllmKernels, kda_core
 
 K = V = 128
 W, LOWER_BOUND, EPS = 4, -5.0, 1e-5
@@ -45,10 +48,10 @@ SWEEP = ((16, 1), (16, 2), (16, 4), (32, 1), (32, 2), (32, 4), (64, 4), (64, 8),
          (128, 8), (128, 16))  # fmt: skip
 
 
-def vllm_ops(folder: str):
-    """vLLM 0.33's KDA decode kernels (its causal conv, Kimi's recurrence) from the folder."""
-    kernels = VllmKernels(folder)
-    return kernels.conv, kernels.kimi
+def vllm_ops(folder: str) -> VllmKernels:
+    """vLLM 0.33's KDA decode kernels (its causal conv, GLM-5's and Kimi's recurrences, its
+    gated norm) from the folder."""
+    return VllmKernels(folder)
 
 
 def weights(heads: int, gen):
@@ -79,51 +82,63 @@ def step_inputs(heads: int, r: int, q: int, first_slot: int, gen):
     write = owned if verify else owned[:, :1]
     place = dict(conv_slots=owned[:, 0], conv_offset=accepted - 1 if verify else accepted * 0,
                  read_slots=read, write_slots=write, keep=verify)  # fmt: skip
-    return x, place, owned, accepted
+    # What vLLM hands its kernels: int32 indices (its metadata builder's, once a step) and
+    # q | k | v contiguous (its projection's output).
+    n = r * q
+    vllm = dict(qkv=x[0].reshape(n, c).contiguous(), conv=owned[:, 0].int(),
+                states=(owned if verify else read).int().contiguous(),
+                accepted=accepted.int() if verify else None,
+                starts=torch.arange(0, n + 1, q, dtype=torch.int32, device="cuda"))  # fmt: skip
+    return x, place, vllm
 
 
-def stock_step(ops, w, heads, x, place, owned, accepted, conv, rec):
-    """vLLM 0.33's decode ops on this step (its `_forward`, spec-only or decode-only)."""
+def fla_step(vk: VllmKernels, w, heads, x, vllm, conv, rec):
+    """Kimi-K3's decode ops on this step (its `_forward`, spec-only or decode-only)."""
     from fla.modules.fused_norm_gate import rms_norm_gated
 
-    conv_ops, kda_ops = ops
-    qkv, f, b, gate = x
-    r, q = qkv.shape[:2]
-    n, c = r * q, qkv.shape[-1]
-    conv_w = w["conv_weight"]
+    _, f, b, gate = x
+    r, q = f.shape[:2]
+    n, qkv = r * q, vllm["qkv"]
     state = conv.transpose(-1, -2)  # the SD cache seen as (dim, state_len), as vLLM does
     g1 = f.reshape(1, n, heads, K)
     beta = b.reshape(1, n, heads)
     core = torch.empty(1, n, heads, V, dtype=qkv.dtype, device="cuda")
     if q == 1:
-        mixed = conv_ops.causal_conv1d_update(
-            qkv.view(n, -1), state, conv_w, None, activation="silu",
-            conv_state_indices=place["conv_slots"].int(), validate_data=False,
-            out=torch.empty(n, c, dtype=qkv.dtype, device="cuda"),
+        mixed = vk.conv.causal_conv1d_update(
+            qkv, state, w["conv_weight"], None, activation="silu", conv_state_indices=vllm["conv"],
+            validate_data=False, out=torch.empty_like(qkv),
         )  # fmt: skip
-        o, _ = kda_ops.fused_recurrent_kda_packed_decode(
+        o, _ = vk.kimi.fused_recurrent_kda_packed_decode(
             mixed_qkv=mixed, raw_g=g1, raw_beta=beta, A_log=w["A_log"], dt_bias=w["dt_bias"],
-            lower_bound=LOWER_BOUND, initial_state=rec, state_indices=place["conv_slots"].int(),
+            lower_bound=LOWER_BOUND, initial_state=rec, state_indices=vllm["conv"],
         )  # fmt: skip
         core[0] = o[0].view(n, heads, V)
     else:
-        starts = torch.arange(0, n + 1, q, dtype=torch.int32, device="cuda")
-        mixed = conv_ops.causal_conv1d_update(
-            qkv.view(n, -1), state, conv_w, None, activation="silu",
-            conv_state_indices=owned[:, 0].int(), num_accepted_tokens=accepted.int(),
-            query_start_loc=starts, max_query_len=q, validate_data=False,
-            out=torch.empty(n, c, dtype=qkv.dtype, device="cuda"),
+        mixed = vk.conv.causal_conv1d_update(
+            qkv, state, w["conv_weight"], None, activation="silu", conv_state_indices=vllm["conv"],
+            num_accepted_tokens=vllm["accepted"], query_start_loc=vllm["starts"],
+            max_query_len=q, validate_data=False, out=torch.empty_like(qkv),
         )  # fmt: skip
         qs, ks, vs = (t.reshape(1, n, heads, -1) for t in mixed.split(heads * K, dim=-1))
-        kda_ops.fused_recurrent_kda(
+        vk.kimi.fused_recurrent_kda(
             q=qs, k=ks, v=vs, raw_g=g1, raw_beta=beta, A_log=w["A_log"], dt_bias=w["dt_bias"],
-            lower_bound=LOWER_BOUND, initial_state=rec, cu_seqlens=starts,
-            ssm_state_indices=owned.int(), num_accepted_tokens=accepted.int(), out=core,
+            lower_bound=LOWER_BOUND, initial_state=rec, cu_seqlens=vllm["starts"],
+            ssm_state_indices=vllm["states"], num_accepted_tokens=vllm["accepted"], out=core,
         )  # fmt: skip
     normed = rms_norm_gated(core, gate.reshape(1, n, heads, V), w["norm_weight"], None,
                             activation="sigmoid", eps=EPS)  # fmt: skip
     core.copy_(normed)
     return core.view(r, q, heads * V)
+
+
+def glm_step(vk: VllmKernels, w, heads, x, vllm, conv, rec):
+    """GLM-5.3-Flash's decode ops in vLLM on this step (`kda_core`; the conv writes its
+    output over q | k | v, as vLLM's does over its projection's)."""
+    _, f, b, gate = x
+    r, q = f.shape[:2]
+    placed = {k: vllm[k] for k in ("conv", "starts", "states", "accepted")}
+    return kda_core(vk, vllm["qkv"].view(r, q, -1), f, b, gate, conv, rec, w["conv_weight"],
+                    w["dt_bias"], w["A_log"], w["norm_weight"], LOWER_BOUND, placed)  # fmt: skip
 
 
 def step_bytes(heads: int, r: int, q: int) -> int:
@@ -136,39 +151,47 @@ def step_bytes(heads: int, r: int, q: int) -> int:
     return r * ((1 + stored) * state + conv_cols * c * 2 + rows * 2) + small
 
 
-def case(op, ops, w, heads, r, q, bw, gen, sweep_tiles=()) -> dict:
+def case(op, vk, w, heads, r, q, bw, gen, sweep_tiles=()) -> dict:
     per_call = step_bytes(heads, r, q)
     copies = max(2, min(64, math.ceil(2 * L2_BYTES / per_call)))
     c, slots = heads * (2 * K + V), 1 + copies * r * q
     conv = torch.randn(slots, W - 2 + q, c, generator=gen, device="cuda").bfloat16()
     rec = 0.1 * torch.randn(slots, heads, V, K, generator=gen, device="cuda")
     steps = [step_inputs(heads, r, q, 1 + i * r * q, gen) for i in range(copies)]
-    caches = {name: (conv.clone(), rec.clone()) for name in ("ref", "ours", "stock")}
+    # The GLM path's conv writes over its q | k | v: its own copy, so the others read theirs.
+    glm_in = [{**s[2], "qkv": s[2]["qkv"].clone()} for s in steps]
+    caches = {name: (conv.clone(), rec.clone()) for name in ("ref", "ours", "glm", "fla")}
+    paths = {
+        "ours": [lambda s=s: op(*s[0], *caches["ours"], **s[1]) for s in steps],
+        "glm": [lambda s=s, v=v: glm_step(vk, w, heads, s[0], v, *caches["glm"])
+                for s, v in zip(steps, glm_in, strict=True)],
+        "fla": [lambda s=s: fla_step(vk, w, heads, s[0], s[2], *caches["fla"]) for s in steps],
+    }  # fmt: skip
     ref = [lambda s=s: kda_decode_ref(*s[0], *caches["ref"], **w, **s[1]) for s in steps]
-    ours = [lambda s=s: op(*s[0], *caches["ours"], **s[1]) for s in steps]
-    stock = [lambda s=s: stock_step(ops, w, heads, s[0], s[1], s[2], s[3], *caches["stock"])
-             for s in steps]  # fmt: skip
     want = ref[0]()
     errors = {}
-    for name, fn in (("ours", ours[0]), ("stock", stock[0])):
-        got = fn()
+    for name, fns in paths.items():
+        got = fns[0]()
         errors[name] = {
             "out": ((got.float() - want.float()).abs().max() / want.float().abs().max()).item(),
             "state": (caches[name][1] - caches["ref"][1]).abs().max().item(),
             "conv_equal": torch.equal(caches[name][0], caches["ref"][0]),
         }
     floor = per_call / bw * 1e6
-    us, fla_us, ref_us = (graph_calls_us(fns) for fns in (ours, stock, ref))
+    us, glm_us, fla_us = (graph_calls_us(fns) for fns in paths.values())
+    ref_us = graph_calls_us(ref)
     sweep = {}
     for tile in sweep_tiles:
         op.tile = tile
-        sweep[f"{tile[0]}x{tile[1]}"] = graph_calls_us(ours)
+        sweep[f"{tile[0]}x{tile[1]}"] = graph_calls_us(paths["ours"])
     op.tile = None
-    return {"heads": heads, "requests": r, "q": q, "us": us, "fla_us": fla_us, "ref_us": ref_us,
-            "floor_us": floor, "speedup_vs_fla": fla_us / us, "floor_ratio": us / floor,
-            "launches": call_launches(ours[0]), "fla_launches": call_launches(stock[0]),
-            "copies": copies, "errors": errors, "tile": op.plan(r, q),
-            "tiles_us": sweep}  # fmt: skip
+    return {"heads": heads, "requests": r, "q": q, "us": us, "glm_us": glm_us, "fla_us": fla_us,
+            "ref_us": ref_us, "floor_us": floor, "speedup_vs_glm": glm_us / us,
+            "speedup_vs_fla": fla_us / us, "floor_ratio": us / floor,
+            "launches": call_launches(paths["ours"][0]),
+            "glm_launches": call_launches(paths["glm"][0]),
+            "fla_launches": call_launches(paths["fla"][0]), "copies": copies, "errors": errors,
+            "tile": op.plan(r, q), "tiles_us": sweep}  # fmt: skip
 
 
 def main() -> None:
@@ -185,13 +208,15 @@ def main() -> None:
         return
     gen = torch.Generator("cuda").manual_seed(0)
     bw = floor_bandwidth()
-    ops = vllm_ops(args.vllm_ops)
+    vk = vllm_ops(args.vllm_ops)
     rows, start = [], time.perf_counter()
 
     def save():  # after every case: a run cut short keeps what it measured
         result = provenance("kda_decode", args) | {
-            "hbm_bytes_per_s": bw, "stock": "vLLM 0.33 KimiGatedDeltaNet decode ops + fla-core "
-            "rms_norm_gated", "rows": rows, "seconds": time.perf_counter() - start,
+            "hbm_bytes_per_s": bw, "stock": {
+                "glm": "vLLM 0.33 Glm5NextLinearAttention decode ops (kda_core)",
+                "fla": "vLLM 0.33 KimiGatedDeltaNet decode ops + fla-core rms_norm_gated"},
+            "rows": rows, "seconds": time.perf_counter() - start,
         }  # fmt: skip
         write_result(args.out, result)
 
@@ -201,37 +226,47 @@ def main() -> None:
         op.prepare()
         for q in (int(x) for x in args.q.split(",")):
             for r in (int(x) for x in args.requests.split(",")):
-                row = case(op, ops, w, heads, r, q, bw, gen, SWEEP if args.sweep else ())
+                row = case(op, vk, w, heads, r, q, bw, gen, SWEEP if args.sweep else ())
                 rows.append(row)
                 save()
                 e = row["errors"]
                 print(f"H={heads:2d} R={r:2d} q={q}: {row['us']:7.2f} µs (floor "
-                      f"{row['floor_us']:6.2f}, ×{row['floor_ratio']:.2f}) fla "
+                      f"{row['floor_us']:6.2f}, ×{row['floor_ratio']:.2f}) glm "
+                      f"{row['glm_us']:7.2f} (×{row['speedup_vs_glm']:.2f}) fla "
                       f"{row['fla_us']:7.2f} (×{row['speedup_vs_fla']:.2f}) ref "
-                      f"{row['ref_us']:8.1f} [{row['launches']} vs {row['fla_launches']}] "
-                      f"err {e['ours']['out']:.1e}/{e['stock']['out']:.1e} state "
-                      f"{e['ours']['state']:.1e}/{e['stock']['state']:.1e} conv "
-                      f"{e['ours']['conv_equal']}/{e['stock']['conv_equal']} "
-                      f"{row['tile']} {row['tiles_us']}")  # fmt: skip
+                      f"{row['ref_us']:8.1f} [{row['launches']} / {row['glm_launches']} / "
+                      f"{row['fla_launches']}] err "
+                      + " ".join(f"{k} {v['out']:.1e}/{v['state']:.1e}/{v['conv_equal']}"
+                                 for k, v in e.items())
+                      + f" {row['tile']} {row['tiles_us']}")  # fmt: skip
+
+
+def _cell(row: dict, key: str, digits: int = 1, over: float = 1.0, unit: str = "") -> str:
+    return f"{row[key] / over:.{digits}f}{unit}" if key in row else "–"
 
 
 def table(path: str) -> str:
+    """The README's table: each stock's µs and launches, and each over our best tile ("–": a
+    stock a run did not time; files before the GLM path timed Kimi's only)."""
     with open(path) as f:
         result = json.load(f)
     out = [
         f"{result['gpu']}, {result['date']}, commit {result['commit']}: `{result['command']}`",
         "",
-        "| heads | requests | q | ours µs (× floor) | best tile µs | stock µs | launches | "
-        "ours / stock |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| heads | requests | q | ours µs (× floor) | best tile µs | glm µs | fla µs | launches "
+        "(ours / glm / fla) | glm / ours | fla / ours |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["rows"]:
         tiles = r.get("tiles_us") or {"-": r["us"]}
         best = min(tiles, key=tiles.get)
+
         out.append(
             f"| {r['heads']} | {r['requests']} | {r['q']} | {r['us']:.1f} "
-            f"({r['floor_ratio']:.1f}×) | {tiles[best]:.1f} ({best}) | {r['fla_us']:.1f} | "
-            f"{r['launches']} / {r['fla_launches']} | {r['fla_us'] / tiles[best]:.2f}× |"
+            f"({r['floor_ratio']:.1f}×) | {tiles[best]:.1f} ({best}) | {_cell(r, 'glm_us')} | "
+            f"{r['fla_us']:.1f} | {r['launches']} / {_cell(r, 'glm_launches', 0)} / "
+            f"{r['fla_launches']} | {_cell(r, 'glm_us', 2, tiles[best], '×')} | "
+            f"{r['fla_us'] / tiles[best]:.2f}× |"
         )
     return "\n".join(out)
 

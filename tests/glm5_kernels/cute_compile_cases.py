@@ -22,11 +22,19 @@ def mhc_cases() -> int:
              (post, True, False, 1, f32), (post, False, True, 1, bf16)]  # fmt: skip
     cases += [(post, False, True, tb, f32)
               for tb in sorted({MhcBoundary.cute_tb(m) for m in range(1, 65)})]  # fmt: skip
+    compiled = []
     for n, (mode, head, store, tb, weights) in enumerate(cases):
-        cute_mhc.compile_boundary(cute_mhc.slot_dtypes(weights), mode=mode, head=head,
-                                  store=store, tb=tb, **CONFIG)  # fmt: skip
+        kernel = cute_mhc.compile_boundary(cute_mhc.slot_dtypes(weights), mode=mode, head=head,
+                                           store=store, tb=tb, **CONFIG)  # fmt: skip
+        compiled.append(kernel)
         for kept in Path().glob("*CuteBoundary*.ptx"):  # the DSL names it by the function
             kept.rename(f"mhc-{n}-{'head' if head else 'mix'}.ptx")
+    # Once a process: asked again (another decode's boundary), the same kernel, no compile.
+    mode, head, store, tb, weights = cases[0]
+    again = cute_mhc.compile_boundary(cute_mhc.slot_dtypes(weights), mode=mode, head=head,
+                                      store=store, tb=tb, **CONFIG)  # fmt: skip
+    assert again is compiled[0] and len({id(c) for c in compiled}) == len(cases)
+    assert not list(Path().glob("*CuteBoundary*.ptx"))  # nothing compiled again
     return len(cases)
 
 

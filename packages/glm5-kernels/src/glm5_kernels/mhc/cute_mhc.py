@@ -413,13 +413,23 @@ def slot_dtypes(weights: tuple[str, str, str, str]) -> tuple[str, ...]:
     return tuple(s if s is not None else next(it) for s in _SLOTS)
 
 
+# Compiled kernels by (dtypes, static arguments), for the process: a compile takes seconds,
+# and every MhcBoundary of a process (each decode a bench or tune builds, the PDL-off one of
+# a kernel table) asks for the same few.
+_COMPILED: dict[tuple, object] = {}
+
+
 def compile_boundary(dtypes: tuple[str, ...], **static):
-    """The compiled kernel for `static` (CuteBoundary's arguments) and the pointers' dtypes."""
+    """The compiled kernel for `static` (CuteBoundary's arguments) and the pointers' dtypes
+    (compiled once a process)."""
     import cuda.bindings.driver as cuda  # noqa: F401  (the stream type the kernel takes)
 
-    kernel = CuteBoundary(**static)
-    fake = [_pointer(dt, 0) for dt in dtypes]
-    return cute.compile(kernel, *fake, Int32(1), cute.runtime.make_fake_stream())
+    key = (tuple(dtypes), tuple(sorted(static.items())))
+    if key not in _COMPILED:
+        kernel = CuteBoundary(**static)
+        fake = [_pointer(dt, 0) for dt in dtypes]
+        _COMPILED[key] = cute.compile(kernel, *fake, Int32(1), cute.runtime.make_fake_stream())
+    return _COMPILED[key]
 
 
 def launch(compiled, tensors, tokens: int, stream: int) -> None:
