@@ -47,10 +47,10 @@ def test_supported_deployment_builds_the_decode_config(vllm_config):
     assert unsupported(config, H200) == []
     decode = specialized_decode_config(config, H200)
     assert decode.q == 1 and decode.planned_tokens == (1, 2, 4, 8, 16, 32, 64)
-    assert decode.policy("moe", 8) == "per_route" and decode.policy("router", 1) == "split_k"
+    assert decode.policy("moe", 8) == "per_route" and decode.policy("dense_mlp", 1) == "gemv"
     sm100 = specialized_decode_config(config, (10, 0))  # the SM100 table under the user's
     assert sm100.policy == Policy.from_json(config.additional_config["policy"], family="sm100")
-    assert sm100.policy("shared_expert", 16) is None and decode.policy("shared_expert", 16)
+    assert sm100.policy("boundary", 1) == "triton" and decode.policy("boundary", 1) == "cute"
 
 
 def _set(obj, **values):
