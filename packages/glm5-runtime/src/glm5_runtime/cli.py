@@ -15,8 +15,8 @@ table measured on this GPU (`tune`) and one table from several of those (`merge`
 Every bad input is one line on stderr and exit status 2, before any work starts: argparse
 checks each value and the values together; the commands then check what needs torch (the
 device, the memory the model takes). Torch is imported inside `demo`, `bench` and `tune`
-only, so `--help`, `table` and `merge` answer at once. Ctrl-C stops a command with one line and exit
-status 130.
+only, so `--help`, `table` and `merge` answer at once. Ctrl-C stops a command with one line
+and exit status 130.
 """
 
 from __future__ import annotations
@@ -346,9 +346,7 @@ def parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         "stock vs specialized decode benchmark.",
         formatter_class=formatter,
     )
-    sub = top.add_subparsers(
-        dest="command", required=True, metavar="{demo,bench,tune,merge,plot,table}"
-    )
+    sub = top.add_subparsers(dest="command", required=True, metavar=COMMANDS)
     d = sub.add_parser(
         "demo",
         help="serve a few random prompts on the reference backbone (random weights)",
