@@ -14,14 +14,16 @@ from glm5_kernels.dsa import (
 )
 from glm5_kernels.kda import kda_decode_ref
 
-# The MoE stage: per-route at 1-4 tokens, grouped at 5-16 and 33-64 (16-token groups cut
-# there), stock router + shared expert ops at 17-32. The fused mHC boundaries everywhere
-# but 17-20 tokens (the stock boundaries beside the stages there): the CuTe DSL kernel at
-# 1-8 and 21-64 tokens (where it builds: a CUDA GPU; the Triton kernel otherwise), the
-# Triton one at 9-16. The fused KDA step with the gates' up-projections inside it at 1-2
-# tokens (fused_gates), after the stock f_b / g_b linears at 3-64.
+# The MoE stage: per-route at 1-2 tokens, grouped at 3 and 5-16 and 33-64 (16-token groups
+# cut there); at 4 and 17-32 the layer runs the router and shared expert stages beside the
+# stock routing and experts (the CPU suites' q = 2 steps: 2 and 4 tokens, q = 3: 3 and 9).
+# The fused mHC boundaries everywhere but 17-20 tokens (the stock boundaries beside the
+# stages there): the CuTe DSL kernel at 1-8 and 21-64 tokens (where it builds: a CUDA GPU;
+# the Triton kernel otherwise), the Triton one at 9-16. The fused KDA step with the gates'
+# up-projections inside it at 1-2 tokens (fused_gates), after the stock f_b / g_b linears
+# at 3-64.
 ALL_STAGES = {
-    "moe": {"1-4": "per_route", "5-16": "grouped", "33-64": "grouped"},
+    "moe": {"1-2": "per_route", "3": "grouped", "5-16": "grouped", "33-64": "grouped"},
     "boundary": {"1-8": "cute", "9-16": "triton", "21-64": "cute"},
     "kda": {"1-2": "fused_gates", "3-64": "fused"},
     "dsa_attn": {"1-64": "sparse"},

@@ -10,8 +10,8 @@ token count they serve runs, so every op without a stage stays the backbone's ow
     MLPs `shared_expert` (`SharedExpert`) and `dense_mlp` (`DenseMlp`);
   * `moe`: the whole MoE layer (router, routing, routed + shared experts, summed) as one
     `MoeLayer` in four launches, its experts `MegaExperts` (`per_route`) or `GroupedExperts`
-    (`grouped`) per token count; where it compiles, the layer's `router` and `shared_expert`
-    routes are dropped for its token counts (`supersedes`);
+    (`grouped`) per token count; the `router` and `shared_expert` stages serve only the
+    token counts it does not (where it cannot build, its whole sublayer runs stock);
   * `kda`: each KDA layer's conv -> gates -> delta rule -> gated norm as one `KdaDecode`
     launch between the backbone's projections and o_proj, on the layer's caches and the
     step's neutral placement (route `self_attn.kda`);
@@ -89,37 +89,37 @@ class LayerStages:
         self.routes: dict[int, list[tuple[int, str, Any]]] = {b: [] for b in self.batches}
         self.ops: list[tuple[Any, list[int]]] = []  # (op, its token counts) to prepare
         self.stage_of: dict[int, str] = {}  # id(op) -> its policy stage
-        # (stage, shard, stock op names, token counts): ops of other stages that `stage`
-        # runs inside its own; their routes go once `stage` has compiled.
-        self.supersedes: list[tuple[str, int, set[str], list[int]]] = []
         self._build("dsa_proj", self._projections("mla", DSA_PROJECTIONS))
         self._build("kda_proj", self._projections("kda", KDA_PROJECTIONS))
-        self._build("router", self._routers)
-        self._build("shared_expert", self._mlps("moe", "mlp.shared_experts", SharedExpert))
+        # Where `moe` serves a token count it is the whole layer, its router and shared
+        # expert inside its own launches: their stages serve the other counts only.
+        layer = {b for b in self.batches if self.policy("moe", b)}
+        self._build("router", self._routers, skip=layer)
+        self._build("shared_expert", self._mlps("moe", "mlp.shared_experts", SharedExpert),
+                    skip=layer)  # fmt: skip
         self._build("dense_mlp", self._mlps("dense", "mlp", DenseMlp))
-        # After router / shared_expert: where it serves a token count, it is the whole layer.
         self._build("moe", self._moe)
         self._build("kda", self._kda, choice=("fused", "fused_gates"))
         self._build("dsa_attn", self._dsa_attn, choice="sparse")
         self._build("dsa_kpool", self._dsa_kpool, choice="fused")
         self._build("dsa_indexer", self._dsa_indexer, choice="fused")
 
-    def _build(self, stage: str, build: Callable[[list[int]], None], choice=None) -> None:
+    def _build(self, stage: str, build: Callable[[list[int]], None], choice=None,
+               skip=frozenset()) -> None:  # fmt: skip
         """Build one stage for the token counts the policy gives it (`choice`: only those
-        that pick it, or one of a tuple); on failure, one warning and the stage's ops stay
-        stock."""
-        picked = [(b, self.policy(stage, b)) for b in self.batches]
+        that pick it, or one of a tuple; none in `skip`); on failure, one warning and the
+        stage's ops stay stock."""
+        picked = [(b, self.policy(stage, b)) for b in self.batches if b not in skip]
         chosen = (choice,) if isinstance(choice, str) else choice
         tokens = [b for b, c in picked if (c in chosen if chosen else c)]
         if not tokens:
             return
         routes, ops = {b: list(r) for b, r in self.routes.items()}, list(self.ops)
-        supersedes = list(self.supersedes)
         self._stage = stage
         try:
             build(tokens)
         except Exception as e:  # any kernel build problem: the stock op is always right
-            self.routes, self.ops, self.supersedes = routes, ops, supersedes
+            self.routes, self.ops = routes, ops
             error = f"{type(e).__name__}: {e}"
             logger.warning("Specialized decode: stage %s runs stock (%s)", stage, error)
 
@@ -210,7 +210,6 @@ class LayerStages:
                 }  # fmt: skip
                 op = MoeLayer(Router(router), {m: ops[c] for m, c in choice.items()})
                 self._add(op, tokens, shard, p)
-                self.supersedes.append(("moe", shard, {f"{p}.gate.weight", se}, tokens))
 
     def _kda(self, tokens: list[int]) -> None:
         """Each KDA layer's conv -> gates -> delta rule -> gated norm as one `KdaDecode`
@@ -357,13 +356,6 @@ class LayerStages:
         gone = {id(op) for op, _ in self.ops if self.stage_of[id(op)] in failed}
         self.ops = [(op, t) for op, t in self.ops if id(op) not in gone]
         self.routes = {b: [r for r in rs if id(r[2]) not in gone] for b, rs in self.routes.items()}
-        # The routes a compiled stage runs inside its own ops (left where it failed).
-        for stage, shard, names, tokens in self.supersedes:
-            if stage not in failed:
-                for m in tokens:
-                    self.routes[m] = [
-                        r for r in self.routes[m] if r[0] != shard or r[1] not in names
-                    ]
         return set(failed)
 
     @contextmanager
