@@ -162,16 +162,20 @@ def _results(path: str) -> str:
 
 def _bench_or_tune(path: str) -> str:
     """A `glm5-decode bench --out` or `tune --out` file."""
+    from .tune import is_result  # no torch
+
     result = _json_file(path)
-    if "rows" not in result and result.get("benchmark") != "glm5-decode tune":
+    if "rows" not in result and not is_result(result):
         raise argparse.ArgumentTypeError(f"{path!r} is neither a bench nor a tune results file")
     return path
 
 
 def _tune_file(path: str) -> dict:
     """A `glm5-decode tune --out` file, read."""
+    from .tune import is_result
+
     result = _json_file(path)
-    if result.get("benchmark") != "glm5-decode tune" or not {"policy", "stages"} <= set(result):
+    if not is_result(result):
         raise argparse.ArgumentTypeError(f"{path!r} is not a glm5-decode tune results file")
     return result
 

@@ -304,9 +304,14 @@ def timed_step(args) -> dict:
     }
 
 
+def is_result(saved: dict) -> bool:
+    """Whether `saved` is a `glm5-decode tune --out` file's contents (finished or not)."""
+    return saved.get("benchmark") == "glm5-decode tune" and {"policy", "stages"} <= set(saved)
+
+
 def resume_problem(saved: dict, args) -> str | None:
     """Why `--resume` cannot go on from `saved` with these arguments, or None."""
-    if saved.get("benchmark") != "glm5-decode tune" or not {"policy", "stages"} <= set(saved):
+    if not is_result(saved):
         return "not a `glm5-decode tune --out` file"
     if not saved.get("unfinished"):
         return 'that run finished (its table is under "policy")'
