@@ -653,14 +653,16 @@ def test_model_binds_the_specialized_decode_and_runs_stock_when_unplanned(built,
     assert isinstance(decode, SpecializedDecode) and isinstance(decode.backbone, VllmBackbone)
     # The KDA and MLA / indexer projections of every layer are stage ops over views of vLLM's
     # weights; vLLM's fused q_a | kv_a and q | k | v | b | f_a | g_a weights are served
-    # whole, one op each (as vLLM runs them: one GEMM, no concatenation of parts).
+    # whole, one op each (as vLLM runs them: one GEMM, no concatenation of parts), and
+    # either kind's o_proj.
     g = built[2].g
     mla = ("fused_qkv_a_proj", "q_b_proj", "o_proj", "indexer.wq_b")
+    kda = ("in_proj_qkvbfg_a", "o_proj")
     routed = {name for _, name, _ in decode.routes[2]}
     assert routed == {
         f"layers.{i}.self_attn.{p}.weight"
         for i in range(g.num_hidden_layers)
-        for p in (mla if g.is_mla(i) else ("in_proj_qkvbfg_a",))
+        for p in (mla if g.is_mla(i) else kda)
     } | {f"layers.{i}.self_attn.dsa_attn" for i in range(g.num_hidden_layers) if g.is_mla(i)}
     layer5 = model.model.layers[5].self_attn
     ops = {name: op for _, name, op in decode.routes[2]}

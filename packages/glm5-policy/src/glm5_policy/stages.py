@@ -37,7 +37,7 @@ STAGES: MappingProxyType[str, frozenset[str]] = MappingProxyType(
         # KDA conv + gate + recurrence + gated norm in one kernel; `fused_gates`: with the
         # forget and output gates' low-rank up-projections (f_b, g_b) inside it too.
         "kda": frozenset({"fused", "fused_gates"}),
-        # KDA input projections as one skinny GEMM.
+        # KDA input projections as one skinny GEMM, and its output projection.
         "kda_proj": frozenset({"gemm"}),
         # MLA / indexer projections routed to split-K skinny GEMMs.
         "dsa_proj": frozenset({"split_k"}),

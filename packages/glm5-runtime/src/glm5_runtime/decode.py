@@ -6,8 +6,8 @@ backbone through its routes (by weight name or module prefix) while a planned st
 token count they serve runs, so every op without a stage stays the backbone's own:
   * glm5-kernels' skinny GEMMs: `dsa_proj` (the MLA q_a / kv_a / q_b / o_proj and indexer
     wq_b projections; one op over a fused q_a | kv_a weight where the backbone holds one),
-    `kda_proj` (KDA q / k / v), `router` (the MoE gate, FP32 logits), and the block-FP8 SwiGLU
-    MLPs `shared_expert` (`SharedExpert`) and `dense_mlp` (`DenseMlp`);
+    `kda_proj` (KDA q / k / v and o_proj), `router` (the MoE gate, FP32 logits), and the
+    block-FP8 SwiGLU MLPs `shared_expert` (`SharedExpert`) and `dense_mlp` (`DenseMlp`);
   * `moe`: the whole MoE layer (router, routing, routed + shared experts, summed) as one
     `MoeLayer` in four launches, its experts `MegaExperts` (`per_route`) or `GroupedExperts`
     (`grouped`) per token count; the `router` and `shared_expert` stages serve only the
@@ -61,7 +61,7 @@ __all__ = ["LayerStages", "SpecializedDecode"]
 logger = logging.getLogger("glm5_runtime")
 
 DSA_PROJECTIONS = ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "o_proj", "indexer.wq_b")
-KDA_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+KDA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def _stacked(a: Tensor, b: Tensor) -> Tensor:
