@@ -69,8 +69,9 @@ def _small(**changes):
 
 
 @pytest.mark.parametrize("q", [2, 3])
-def test_planned_steps_equal_stock(q):
-    """q requests: their decode steps (q tokens) and verify steps (q x q) are both planned.
+def test_planned_steps_equal_stock(q, monkeypatch):
+    """q requests: their decode steps (q tokens) and verify steps (q x q) are both planned,
+    every stage op at a token count it was prepared for (a capture's rule, enforced here).
 
     The model routes for real: each token picks 4 of 16 experts by score + a non-zero
     correction bias, each indexer 2 of up to 5 pools. Per call, the MoE stage's routing must
@@ -95,6 +96,7 @@ def test_planned_steps_equal_stock(q):
     }  # fmt: skip
     assert decode.mhc is not None and decode.mhc_tokens == {q, q * q}
     assert decode.batches == [q, q * q]
+    monkeypatch.setattr("glm5_kernels.launch.capturing", lambda: True)  # first_call's rule
 
     def planned(tokens, step):
         decision = decode.plan(step, capturing=True)
@@ -236,9 +238,11 @@ def test_stage_that_cannot_compile_warns_once_and_runs_stock(caplog, monkeypatch
     assert decode.head  # the other stages are untouched
 
 
-def test_draft_steps_equal_stock():
-    """MTP draft decodes (one token per request) and draft prefills (q per request, only
-    each request's last row past the attention) against the reference's draft_hidden.
+def test_draft_steps_equal_stock(monkeypatch):
+    """MTP draft decodes (one token per request) and draft prefills (q per request: every
+    row, then only each request's last row past the attention) against the reference's
+    draft_hidden, every stage op at a token count it was prepared for (as a CUDA-graph
+    capture demands: a first call at another count is an error here too).
 
     Bound: as the decode's (decode_cases.Yardstick), per row against the stock BF16 draft's
     own distance from the FP32 draft on the same inputs, where the choices agree; the latent
@@ -263,7 +267,8 @@ def test_draft_steps_equal_stock():
     }
     assert not any(type(op).__name__ == "Router" for _, _, op in draft.routes[2])  # in MoE
     # The draft prefill (2 x Q = 4 tokens: the MoE's router and shared expert stages beside
-    # the stock experts) and the decodes (2 tokens: the MoE stage).
+    # the stock experts; only its 2 sampled rows past the attention: the MoE stage's) and the
+    # decodes (2 tokens: the MoE stage).
     assert {type(op).__name__ for _, _, op in draft.routes[4]} >= {"Router", "SharedExpert"}
     routed = {name for b in (2, 4) for _, name, _ in draft.routes[b]}
     assert f"layers.{g.num_hidden_layers}.eh_proj.weight" in routed
@@ -275,7 +280,9 @@ def test_draft_steps_equal_stock():
         assert [m.add(), m.add()] == requests
     yardstick = Yardstick(stock, spec, fp32, [draft])
     hidden = torch.randn(2, Q, g.hidden_size, generator=gen).bfloat16()
-    for t, start in ((Q, 5), (1, 5 + Q), (1, 6 + Q)):  # a draft prefill, then two decodes
+    monkeypatch.setattr("glm5_kernels.launch.capturing", lambda: True)  # first_call's rule
+    # A draft prefill of every row, the same of the sampled rows only, then two decodes.
+    for t, start, sampled in ((Q, 5, False), (Q, 5, True), (1, 5 + Q, True), (1, 6 + Q, True)):
         tokens = torch.randint(0, g.vocab_size, (2, t), generator=gen)
         # A decode's positions a column of a wider tensor (a row stride), as a draft after a
         # verify slices them.
@@ -287,8 +294,8 @@ def test_draft_steps_equal_stock():
         placement = spec.place(requests, positions)
         decision = draft.plan(placement, capturing=True)
         assert decision.step is not None and decision.step.q == (Q if t > 1 else 1)
-        out = draft.run(decision.step, 0, tokens, hidden[:, :t], placement)
-        ref, h32 = (ref[:, -1:], h32[:, -1:]) if t > 1 else (ref, h32)
+        out = draft.run(decision.step, 0, tokens, hidden[:, :t], placement, sampled_only=sampled)
+        ref, h32 = (ref[:, -1:], h32[:, -1:]) if t > 1 and sampled else (ref, h32)
         assert out.shape == ref.shape
         # The draft's MLA wrote the same latent KV (every token of the prefill included).
         yardstick.compare(ref, out, h32, step=at)

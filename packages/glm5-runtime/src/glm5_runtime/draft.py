@@ -119,7 +119,7 @@ class SpecializedDraft(LayerStages):
             self.watch.check()
             self._exchanging = True
             try:
-                with self.installed(step.tokens), b.unreduced():
+                with b.unreduced():
                     out = self._exchanged(step, k, tokens, hidden, placement, sampled_only)
             finally:
                 self._exchanging = False
@@ -129,10 +129,13 @@ class SpecializedDraft(LayerStages):
             x = b.draft_input(k, tokens, hidden, placement, embeds)
             x = b.linear(b.shards[0], f"{p}.eh_proj.weight", x)  # replicated: one shard's
             a = self.attention(layer, b.norm(f"{p}.input_layernorm.weight", x), placement)
-            if step.q > 1 and sampled_only:  # only the sampled rows go on
-                x = x.reshape(-1, step.q, x.shape[-1])[:, -1:]
-                a = a.reshape(-1, step.q, a.shape[-1])[:, -1:]
-            x = x + a
+        if step.q > 1 and sampled_only:  # only the sampled rows go on
+            x = x.reshape(-1, step.q, x.shape[-1])[:, -1:]
+            a = a.reshape(-1, step.q, a.shape[-1])[:, -1:]
+        x = x + a
+        # The MLP's rows are fewer than the step's tokens where only the sampled rows go on:
+        # the stage ops serving that count, else stock.
+        with self.installed(x.numel() // x.shape[-1]):
             x = x + self.mlp(layer, b.norm(f"{p}.post_attention_layernorm.weight", x))
             return b.norm(f"{p}.shared_head.norm.weight", x)
 
@@ -146,13 +149,15 @@ class SpecializedDraft(LayerStages):
         embed_norm, attn_norm, final_norm = self.exchange[k]
         shape, d = hidden.shape, hidden.shape[-1]
         positions = b.positions(placement).reshape(-1)
-        x = embed_norm(b.embed(tokens).reshape(-1, d), positions, hidden.reshape(-1, d))
-        x = b.linear(b.shards[0], f"{p}.eh_proj.weight", x)  # replicated: one shard's
-        a = self.attention(layer, b.norm(f"{p}.input_layernorm.weight", x).view(shape), placement)
-        a = a.reshape(-1, d)
+        with self.installed(step.tokens):
+            x = embed_norm(b.embed(tokens).reshape(-1, d), positions, hidden.reshape(-1, d))
+            x = b.linear(b.shards[0], f"{p}.eh_proj.weight", x)  # replicated: one shard's
+            x_in = b.norm(f"{p}.input_layernorm.weight", x).view(shape)
+            a = self.attention(layer, x_in, placement).reshape(-1, d)
         if step.q > 1 and sampled_only:  # only the sampled rows go on
             x, a = (t.reshape(-1, step.q, d)[:, -1] for t in (x, a))
             shape = (x.shape[0], 1, d)  # [R, 1, D], as the stock path's
         x, h = attn_norm(a.contiguous(), x.contiguous())
-        m = self.mlp(layer, h.view(shape)).reshape(-1, d)
+        with self.installed(x.shape[0]):  # the MLP's rows (a draft prefill: the sampled ones)
+            m = self.mlp(layer, h.view(shape)).reshape(-1, d)
         return final_norm(m.contiguous(), x)[1].view(shape)
