@@ -35,6 +35,7 @@ layers, 0.10 at 45, all-experts routing). FP8 re-quantization flips codes once i
 by an ulp, so the end-to-end bound is loose by nature; the per-call checks are the tight ones,
 and a semantic slip (a missed route, a wrong weight or row) moves these by O(1)."""
 
+import gc
 import math
 from types import SimpleNamespace
 
@@ -72,6 +73,16 @@ QUICK_STEPS = 8  # the quick selection's: 9 + 8 x 4 tokens still wrap the 32-slo
 PROMPT = 9
 BOUND = 0.1  # at 4 layers, where no yardstick runs (module docstring)
 MARGIN = Yardstick.MARGIN  # the CPU suite's: two roundings apart where the yardstick has one
+
+
+@pytest.fixture(autouse=True)
+def _free_the_models():
+    """A test's models (77 GiB of weights at full depth) live in reference cycles (the choice
+    logs' closures over their ranks) until a collection: free them before the next test builds
+    its own, or it finds the GPU half full (the full-depth cases after the first failed so)."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def _geometry(full_depth=False):
