@@ -461,6 +461,29 @@ def test_additional_config_as_json_text_is_read_as_its_object(vllm_config):
     assert decode.policy("moe", 8) == "grouped"
 
 
+@pytest.mark.parametrize(
+    "text, repeated",
+    [
+        ('{"decode_backend": "latency_specialized", "decode_backend": "auto"}', "'decode_backend'"),
+        ('{"decode_backend": "latency_specialized", "policy": {"moe": {"1-8": "grouped"}, '
+         '"moe": null}}', "'moe'"),
+    ],
+    ids=["top-level", "in-the-policy"],
+)  # fmt: skip
+def test_a_key_repeated_in_additional_config_text_is_refused(vllm_config, text, repeated):
+    """json.loads keeps a repeated key's last value: the text's own repeats are named, at the
+    top level and inside the policy."""
+    from glm5_policy import PolicyError
+    from glm5_vllm.config import specialized_decode_config
+
+    config = _good(vllm_config)
+    config.additional_config = text
+    with pytest.raises(PolicyError) as e:
+        specialized_decode_config(config, H200)
+    (problem,) = e.value.problems
+    assert repeated in problem and "more than once" in problem, problem
+
+
 @pytest.mark.parametrize("key", ["１-８", "1-٨"], ids=["fullwidth", "arabic-indic"])
 def test_token_ranges_in_unicode_digits_are_refused(vllm_config, key):
     from glm5_policy import PolicyError

@@ -3,7 +3,7 @@ at each token count. No torch: the plugin reads it while vLLM parses its configu
 
 from .config import MAX_Q, DecodeConfig
 from .stages import FAMILIES, MAX_TOKENS, STAGES
-from .table import Policy, PolicyError, default_table, parse_table
+from .table import Policy, PolicyError, default_table, loads, parse_table
 
 __version__ = "0.1.0"
 
@@ -17,6 +17,7 @@ __all__ = [
     "PolicyError",
     "default_table",
     "family_of",
+    "loads",
     "parse_table",
 ]
 

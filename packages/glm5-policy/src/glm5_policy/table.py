@@ -57,6 +57,12 @@ def _object(pairs: list[tuple[str, Any]]) -> _Object:
     return obj
 
 
+def loads(text: str) -> Any:
+    """JSON text parsed as json.loads does, each object recording the keys its text repeated
+    (`repeated`), which json.loads would drop but for the last. Raises ValueError."""
+    return json.loads(text, object_pairs_hook=_object)
+
+
 def _repeats(obj: Any, where: str, problems: list[str]) -> None:
     for key in getattr(obj, "repeated", ()):
         problems.append(f"{where}: key {key!r} given more than once (JSON keeps only the last)")
@@ -162,7 +168,7 @@ def _parse(
 ) -> dict[str, tuple[Range, ...]]:
     if isinstance(obj, str):
         try:
-            obj = json.loads(obj, object_pairs_hook=_object)
+            obj = loads(obj)
         except json.JSONDecodeError as error:
             problems.append(f"{where}: not valid JSON ({error.msg} at char {error.pos})")
             return {}

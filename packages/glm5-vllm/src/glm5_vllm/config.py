@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import logging
 import reprlib
 from typing import Any
 
-from glm5_policy import DecodeConfig, PolicyError, family_of
+from glm5_policy import DecodeConfig, PolicyError, family_of, loads
 from glm5_runtime.checks import Deployment, DeploymentError
 from glm5_runtime.checks import unsupported as runtime_unsupported
 
@@ -158,7 +157,7 @@ def _extra(vllm_config: Any) -> dict:
     if isinstance(extra, str):
         shown = reprlib.repr(extra)
         try:
-            extra = json.loads(extra)
+            extra = loads(extra)  # keeps what json.loads drops: the keys given twice
         except ValueError as error:
             msg = getattr(error, "msg", str(error))
             problem = f"additional_config {shown}: not valid JSON ({msg})"
@@ -168,6 +167,10 @@ def _extra(vllm_config: Any) -> dict:
         if not isinstance(extra, dict):
             kind = type(extra).__name__
             raise PolicyError([f"additional_config {shown}: expects a JSON object, got {kind}"])
+        if extra.repeated:  # the policy's own objects are checked where it is parsed
+            given = ", ".join(repr(k) for k in extra.repeated)
+            repeated = f"{given} given more than once (JSON keeps the last)"
+            raise PolicyError([f"additional_config {shown}: {repeated}"])
     return extra if isinstance(extra, dict) else {}
 
 
