@@ -13,7 +13,9 @@ against the stock reference's graph of the same step:
 
 The two models share their weights (the specialized one reads them, never writes). The MoE
 routes for real: 8 of the 288 experts by sigmoid score + correction bias (the checkpoint's
-shapes; random weights). The indexer's top-2048 keeps every pool at these contexts.
+shapes; random weights). Over four layers the indexer keeps its top 16 tokens (one pool of
+16 and the tail: from q = 2 a context holds two or more complete pools, so the selection
+chooses); at 45 layers the model's top-2048 keeps every pool at these contexts.
 
 Checks per replay: every stage op's worst row against the stock op it replaced on the same
 input (the per-call bounds of decode_cases.py, FP8 MMA included) and each MoE layer's routing
@@ -94,6 +96,7 @@ def _geometry(full_depth=False):
             layer_types=("linear_attention",) * 3 + ("deepseek_sparse_attention",),
             mlp_layer_types=("dense", "dense", "sparse", "sparse"),
             indexer_types=("full",) * 4,
+            index_topk=16,  # one pool of 16 kept: the selection chooses (module docstring)
         )
     return geometry("flash-tp4-rank", **kw)  # 288 experts, top-8
 
