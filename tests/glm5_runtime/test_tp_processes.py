@@ -8,7 +8,9 @@ The specialized decode over it leaves every sublayer's output TP-partial and red
 the fused boundary (glm5-comm's `AllReduceBoundary`, under the Triton interpreter, the two
 processes' mailboxes in shared memory standing in for symmetric memory's peer pointers):
 planned decode and verify steps stay within the stock BF16 model's own noise of the stock
-step (test_decode's per-row bound, where the routing and selection agree), no stock
+step (test_decode's per-row bound, where the routing and selection agree), each stage call
+within its bound of the stock op on the same input and each MoE routing route_ref's on the
+stage's own logits (test_decode's per-call checks, on this rank's shard), no stock
 all-reduce runs (the embedding's partial is summed in the first boundary), and both ranks
 hold bit-identical hidden states (each sums the same partials in the same order). The
 logits' vocab shards are gathered through mailboxes too (glm5-comm's `LogitsGather`), bit
@@ -19,7 +21,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from decode_cases import ALL_STAGES, Yardstick, rel
+from decode_cases import ALL_STAGES, Yardstick, check_calls, rel, shadow
 from gloo_ranks import spawn_gloo
 
 from glm5_comm import ExchangeTimeout, Mailbox, logits_gather_ref
@@ -128,6 +130,8 @@ def check_fused_draft(rank: int, device: str, mailbox=None) -> None:
     config = DecodeConfig.build(max_context=64, q=Q, capture_sizes=SIZES, policy=POLICY)
     draft = SpecializedDraft(ReferenceBackbone(spec, mailbox=mailbox), config)
     assert draft.prepare() == set()
+    pairs = []
+    shadow(draft, spec, pairs)
     assert set(draft.exchange) == {0} and draft.exchange_tokens == set(SIZES)
     sums = []
     spec_reduce = spec.reduce
@@ -154,6 +158,8 @@ def check_fused_draft(rank: int, device: str, mailbox=None) -> None:
         ref, h32 = (ref[:, -1:], h32[:, -1:]) if t > 1 else (ref, h32)
         assert out.shape == ref.shape
         yardstick.compare(ref, out, h32, step=at)
+        check_calls(pairs)
+        pairs.clear()
         peers = [torch.empty_like(out) for _ in range(WORLD)]
         dist.all_gather(peers, out)
         assert all(torch.equal(p, out) for p in peers)
@@ -176,6 +182,8 @@ def check_fused_boundaries(rank: int, device: str, mailbox=None, all_read=None) 
     assert decode.prepare() == set()
     assert decode.exchange is not None and decode.partial(Q) and decode.partial(Q * Q)
     assert decode.logits_gather is not None and decode.gather_tokens == {Q, Q * Q}
+    pairs = []  # every stage call beside the stock op on the same input (test_decode's)
+    shadow(decode, spec, pairs)
     sums = []
     spec_reduce = spec.reduce
     spec.reduce = lambda partials: sums.append(1) or spec_reduce(partials)
@@ -204,6 +212,8 @@ def check_fused_boundaries(rank: int, device: str, mailbox=None, all_read=None) 
         assert torch.equal(logits.view(x.shape[0], -1), logits_gather_ref(shard, group))
         logits = logits, stock.logits(h_stock), fp32.logits(h_fp32)
         yardstick.compare(h_stock, h_spec, h_fp32, logits, step)
+        check_calls(pairs)  # this rank's shard of each call, per row; routing route_ref's
+        pairs.clear()
     yardstick.check(MIN_COMPARED)
     if all_read is not None:
         all_read()
