@@ -8,6 +8,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -15,21 +17,48 @@ import pytest
 pytest.importorskip("triton")
 
 
+# The compiles themselves run in child processes started in the background as soon as the
+# session has collected these tests (tests/conftest.py), one at a time on the core the
+# single-threaded suite leaves idle, and the tests run last to read their results: from an
+# empty Triton cache the four children take 8-12 minutes of a 2-core machine (3 each), with
+# it warm seconds. Daemon threads: a session stopped early does not wait for them.
+_ONE_AT_A_TIME = threading.Lock()
+_CHILDREN: dict[tuple[int, str], Future] = {}
+
+
+def _run(command: list[str], env: dict, done: Future) -> None:
+    with _ONE_AT_A_TIME:
+        try:
+            done.set_result(subprocess.run(command, env=env, capture_output=True, text=True))
+        except Exception as error:  # the test reports it
+            done.set_exception(error)
+
+
+def start(arch: int, triton: str) -> Future | None:
+    """The compile child of (arch, triton), started now unless it already was; None where
+    the GPU host's Triton is not named (the test skips)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if triton == "gpu-host":
+        where = os.environ.get("GLM5_GPU_HOST_TRITON")
+        if not where:
+            return None
+        env["PYTHONPATH"] = os.pathsep.join([where, *filter(None, [env.get("PYTHONPATH")])])
+    if (arch, triton) not in _CHILDREN:
+        command = [sys.executable, str(Path(__file__).with_name("compile_cases.py")), str(arch)]
+        done = _CHILDREN[arch, triton] = Future()
+        threading.Thread(target=_run, args=(command, env, done), daemon=True).start()
+    return _CHILDREN[arch, triton]
+
+
 @pytest.mark.parametrize("triton", ["venv", "gpu-host"])
 @pytest.mark.parametrize("arch", [90, 100], ids=["sm90", "sm100"])
 def test_kernels_compile(arch, triton):
     """With this venv's Triton, and with the GPU host's (`nox -s tests` installs it beside the
     venv and names it in GLM5_GPU_HOST_TRITON)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if triton == "gpu-host":
-        where = os.environ.get("GLM5_GPU_HOST_TRITON")
-        if not where:
-            pytest.skip("GLM5_GPU_HOST_TRITON unset: run through `nox -s tests`")
-        env["PYTHONPATH"] = os.pathsep.join([where, *filter(None, [env.get("PYTHONPATH")])])
-    script = Path(__file__).with_name("compile_cases.py")
-    child = subprocess.run(
-        [sys.executable, str(script), str(arch)], env=env, capture_output=True, text=True
-    )
+    child = start(arch, triton)
+    if child is None:
+        pytest.skip("GLM5_GPU_HOST_TRITON unset: run through `nox -s tests`")
+    child = child.result()
     assert child.returncode == 0, child.stderr[-4000:]
     if triton == "gpu-host":  # the child really compiled with the GPU host's Triton
         assert f"triton {os.environ['GLM5_GPU_HOST_TRITON']}" in child.stdout
