@@ -10,7 +10,12 @@ Timing: CUDA-graph replays, median, every call on its own copy of the weights an
 (more than L2 in all). Launches: kernel nodes of one boundary's captured graph. Each
 boundary is checked against the stock output before it is timed. `--sweep` times the plan's
 tile variants (Triton: tokens per CTA x columns per CTA; CuTe: tokens per cluster) at each
-token count.
+token count. `--phases` replays the same chain of CuTe boundaries built with timestamps
+(`cute_mhc.PHASES`: thread 0 of every CTA reads the global timer and its SM's cycle counter
+at each point) and reports, as medians over the chain's boundaries, where one boundary's
+time goes: from the previous boundary's last CTA done to this one's PDL wait returning
+(`release`), then each phase of the kernel in its CTAs' cycles (rank 0, which runs Sinkhorn,
+apart from the others), and the chain's period.
 
     PYTHONPATH=packages/glm5-kernels/src:packages/glm5-runtime/src:packages/glm5-policy/src \\
         python benchmarks/boundary.py --out benchmarks/results/boundary_h200.json
@@ -19,6 +24,7 @@ token count.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 
@@ -26,6 +32,7 @@ import torch
 from provenance import floor_bandwidth, provenance, result_args, write_result
 
 from glm5_kernels.mhc import MhcBoundary, MhcConfig, hc_fused_post_pre_ref
+from glm5_kernels.mhc.boundary import POST
 from glm5_kernels.timing import graph_calls_us
 from glm5_runtime.bench import call_launches
 
@@ -63,6 +70,11 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,2,4,8,16,32,64")
     parser.add_argument("--paths", default="triton,cute", help="kernels to time")
     parser.add_argument("--sweep", action="store_true", help="time tile variants")
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="where a CuTe boundary's time goes: a timestamped build's chain",
+    )
     parser.add_argument("--profile", action="store_true",
                         help="one eager boundary per path and token count, nothing timed (for "
                              "`ncu -k regex:'hc_boundary|CuteBoundary'`)")  # fmt: skip
@@ -82,6 +94,11 @@ def main() -> None:
             for path in paths:
                 ops[path].post_pre(*inputs(m, gen))
         torch.cuda.synchronize()
+        return
+    if args.phases:
+        found = [phases(int(m), [inputs(int(m), gen) for _ in range(COPIES)])
+                 for m in args.tokens.split(",")]  # fmt: skip
+        write_result(args.out, provenance("boundary", args) | {"phases": found})
         return
     rows, sweep, start = [], [], time.perf_counter()
     for m in (int(t) for t in args.tokens.split(",")):
@@ -143,6 +160,62 @@ def _sweep(path: str, op: MhcBoundary, m: int, ours) -> list[dict]:
             print(f"   bd {bd:3d} warps {warps}: {t:6.2f} µs")
     op.plans[m] = best
     return out
+
+
+def phases(m: int, sets) -> dict:
+    """The timestamped CuTe boundary's chain over `sets` (one call each) at m tokens: the
+    median over calls 2.. of each interval (module docstring), in µs."""
+    import statistics
+
+    from glm5_kernels.mhc import cute_mhc
+
+    c, tb = CONFIG, MhcBoundary.cute_tb(m)
+    kernel = cute_mhc.compile_boundary(
+        cute_mhc.slot_dtypes(("float32", "float32", "float32", "bfloat16")), mode=POST,
+        head=False, store=True, tb=tb, hidden=D, rms_eps=c.rms_eps, hc_eps=c.hc_eps,
+        norm_eps=c.norm_eps, post_mult=c.post_mult, sinkhorn_iters=c.sinkhorn_iters, pdl=True,
+        phases=True,
+    )  # fmt: skip
+    n, groups = len(cute_mhc.PHASES), -(-m // tb)
+    stamps = torch.zeros(len(sets), m, cute_mhc.CLUSTER * 2 * n, dtype=torch.int64,
+                         device="cuda")  # fmt: skip
+    outs = [(torch.empty(m, H, D, dtype=torch.bfloat16, device="cuda"),
+             torch.empty(m, H, device="cuda"), torch.empty(m, H, H, device="cuda"),
+             torch.empty(m, D, dtype=torch.bfloat16, device="cuda")) for _ in sets]  # fmt: skip
+
+    def chain():
+        stream = torch.cuda.current_stream().cuda_stream
+        for s, out, st in zip(sets, outs, stamps, strict=True):
+            cute_mhc.launch(kernel, [*s, *out, st], m, stream)
+
+    chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    for _ in range(20):  # warm; the last replay's stamps are read
+        graph.replay()
+    torch.cuda.synchronize()
+    t = stamps[:, :groups].view(len(sets), groups, cute_mhc.CLUSTER, 2, n).cpu().double()
+    ns, cycles = t[..., 0, :], t[..., 1, :]
+    ghz = (cycles[..., -1] - cycles[..., 0]).sum() / (ns[..., -1] - ns[..., 0]).sum()
+    end = ns[..., -1].amax(dim=(1, 2))  # the call's last CTA done
+    waited = ns[..., 1].amin(dim=(1, 2))  # its first CTA released
+    span = cycles.diff(dim=-1) / ghz / 1e3  # µs between consecutive points, each CTA
+    rank0, others = span[:, :, 0], span[:, :, 1:]
+    med = lambda x: statistics.median(x[1:].flatten().tolist())  # noqa: E731 (call 1 is cold)
+    steps = [f"{a}->{b}" for a, b in itertools.pairwise(cute_mhc.PHASES)]
+    found = {
+        "tokens": m, "tb": tb, "sm_ghz": ghz.item(),
+        "period_us": med(end.diff() / 1e3),
+        "release_us": med((waited[1:] - end[:-1]) / 1e3),
+        "rank0_us": {step: med(rank0[..., i]) for i, step in enumerate(steps)},
+        "others_us": {step: med(others[..., i]) for i, step in enumerate(steps)},
+    }  # fmt: skip
+    print(f"T={m:2d} phases (µs, median over the chain): period {found['period_us']:.2f}, "
+          f"release {found['release_us']:.2f}; rank 0 {found['rank0_us']}; "
+          f"others {found['others_us']}")  # fmt: skip
+    return found
 
 
 def table(path: str) -> str:

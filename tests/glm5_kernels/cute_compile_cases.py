@@ -29,6 +29,14 @@ def mhc_cases() -> int:
         compiled.append(kernel)
         for kept in Path().glob("*CuteBoundary*.ptx"):  # the DSL names it by the function
             kept.rename(f"mhc-{n}-{'head' if head else 'mix'}.ptx")
+    # The benchmark's timestamped build (benchmarks/boundary.py --phases), one token a cluster.
+    stamped = cute_mhc.compile_boundary(cute_mhc.slot_dtypes(f32), mode=post, head=False,
+                                        store=True, tb=1, **CONFIG, phases=True)  # fmt: skip
+    assert all(stamped is not c for c in compiled)
+    (kept,) = Path().glob("*CuteBoundary*.ptx")
+    ptx = kept.read_text()
+    assert "%globaltimer" in ptx and "%clock64" in ptx, "no timestamps in the phases build"
+    kept.rename("stamped.ptx")  # not one of the mhc-*.ptx the parent checks for the design
     # Once a process: asked again (another decode's boundary), the same kernel, no compile.
     mode, head, store, tb, weights = cases[0]
     again = cute_mhc.compile_boundary(cute_mhc.slot_dtypes(weights), mode=mode, head=head,

@@ -111,6 +111,7 @@ class MhcBoundary:
         # Unused pointers of the CuTe kernel (never read where MODE / HEAD / STORE say so).
         self._spare_f32 = torch.zeros(1, device=self._device)
         self._spare_bf16 = torch.zeros(1, dtype=torch.bfloat16, device=self._device)
+        self._spare_i64 = torch.zeros(1, dtype=torch.int64, device=self._device)  # phases
         self._xr: Tensor | None = None  # an exchange's reduced rows between two phases
         # The weight dtypes `check_weights` has seen: `prepare` compiles for each (a first
         # launch inside a CUDA-graph capture must not compile).
@@ -236,7 +237,7 @@ class MhcBoundary:
         new, post_out, comb_out, normed = out
         if world == 1 and m in self.cute_tokens:
             tensors = (x, streams, post, comb, fn, scale, base, norm, new, post_out, comb_out,
-                       normed)  # fmt: skip
+                       normed, None)  # fmt: skip
             if self._run_cute(mode, head, store, m, tensors):
                 return (streams if mode == GIVEN else new), post_out, comb_out, normed
         p = self.plans[m]
@@ -302,7 +303,8 @@ class MhcBoundary:
                                "the Triton kernel runs instead", type(e).__name__, e)  # fmt: skip
                 self.cute_tokens = frozenset()
                 return False
-        spare = {torch.float32: self._spare_f32, torch.bfloat16: self._spare_bf16}
+        spare = {torch.float32: self._spare_f32, torch.bfloat16: self._spare_bf16,
+                 torch.int64: self._spare_i64}  # fmt: skip
         dtypes = cute_mhc.slot_dtypes(weights)
         args = [t if t is not None else spare[getattr(torch, dt)]
                 for t, dt in zip(tensors, dtypes, strict=True)]  # fmt: skip

@@ -30,6 +30,12 @@ Measured (H200, benchmarks/boundary.py): 6.1 / 6.4 / 10.7 / 27.1 µs at 1 / 8 / 
 tokens, the Triton kernel 13.3 / 26.5 / 42.3 / 44.0.
 
 World size 1 only: the TP exchange (glm5_kernels.exchange) stays with the Triton kernel.
+
+`phases` (a build for the benchmark, benchmarks/boundary.py --phases): thread 0 of every CTA
+stamps the global nanosecond timer and its SM's cycle counter at the PHASES points into a
+13th pointer, so one replayed chain shows where a boundary's time goes (the release after
+the previous kernel, the streams and partial sums, the cluster exchange, Sinkhorn, the
+norm) without a profiler's serialization. Every build takes the pointer; others ignore it.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import operator
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T as _T
 from cutlass.cutlass_dsl import dsl_user_op
@@ -50,6 +56,11 @@ NMIX = (2 + H) * H  # mix logits: pre [H], post [H], comb [H, H]
 GRAM = ((0, 0), (0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3), (2, 2), (2, 3), (3, 3))
 NPART = NMIX + len(GRAM)  # the partial sums of one token: 34
 CLUSTER = 16  # CTAs a cluster (H100 / H200 allow 16 with the non-portable attribute)
+# Where a `phases` build stamps the time (thread 0 of each CTA): entry, the PDL wait's
+# return, the CTA's partial sums reduced, the cluster's partials all arrived, the totals
+# summed, post and comb written (Sinkhorn: CTA rank 0; the others pass straight on), and the
+# normed output stored.
+PHASES = ("start", "waited", "partials", "exchanged", "totals", "post_comb", "end")
 
 
 @dsl_user_op
@@ -100,6 +111,16 @@ def _bf16(x: Float32, *, loc=None, ip=None) -> Float32:
             has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
         )
     )  # fmt: skip
+
+
+@cute.jit
+def _stamp(mPhases: cute.Tensor, group: Int32, rank: Int32, tid: Int32,
+           at: cutlass.Constexpr[int]):  # fmt: skip
+    """Thread 0's global nanoseconds and SM cycles at PHASES[at] (a `phases` build)."""
+    if tid == 0:
+        n = len(PHASES)
+        mPhases[group, 2 * n * rank + at] = cute.arch.globaltimer()
+        mPhases[group, 2 * n * rank + n + at] = cute.arch.clock64()
 
 
 def _sigmoid(x: Float32) -> Float32:
@@ -163,12 +184,13 @@ class CuteBoundary:
 
     def __init__(self, *, mode: int, head: bool, store: bool, tb: int, hidden: int,
                  rms_eps: float, hc_eps: float, norm_eps: float, post_mult: float,
-                 sinkhorn_iters: int, pdl: bool):  # fmt: skip
+                 sinkhorn_iters: int, pdl: bool, phases: bool = False):  # fmt: skip
         assert unfit(hidden) is None, unfit(hidden)
         self.mode, self.head, self.store, self.tb = mode, head, store, tb
         self.D, self.W = hidden, hidden // CLUSTER
         self.rms_eps, self.hc_eps, self.norm_eps = rms_eps, hc_eps, norm_eps
         self.post_mult, self.iters, self.pdl = post_mult, sinkhorn_iters, pdl
+        self.phases = phases
         self.warps = self.W // 32
 
     @cute.jit
@@ -186,6 +208,7 @@ class CuteBoundary:
         pPostOut: cute.Pointer,  # (T, H) FP32 out
         pCombOut: cute.Pointer,  # (T, H, H) FP32 out
         pNormed: cute.Pointer,  # (T, D) BF16 out
+        pPhases: cute.Pointer,  # (T, CLUSTER * 2 * len(PHASES)) Int64 out (phases): row = group
         tokens: Int32,
         stream,
     ):
@@ -197,7 +220,7 @@ class CuteBoundary:
             cute.make_tensor(pFn, cute.make_layout((NMIX, H * D), stride=(H * D, 1))),
             flat(pScale, 3), flat(pBase, NMIX), flat(pNorm, D),
             row(pStreams, H * D), row(pPostOut, H), row(pCombOut, H * H), row(pNormed, D),
-            tokens,
+            row(pPhases, CLUSTER * 2 * len(PHASES)), tokens,
         ).launch(
             grid=[CLUSTER, cute.ceil_div(tokens, self.tb), 1], block=[self.W, 1, 1],
             cluster=[CLUSTER, 1, 1], stream=stream, use_pdl=self.pdl,
@@ -207,7 +230,8 @@ class CuteBoundary:
     def kernel(self, mX: cute.Tensor, mRes: cute.Tensor, mPost: cute.Tensor,
                mComb: cute.Tensor, mFn: cute.Tensor, mScale: cute.Tensor, mBase: cute.Tensor,
                mNorm: cute.Tensor, mStreams: cute.Tensor, mPostOut: cute.Tensor,
-               mCombOut: cute.Tensor, mNormed: cute.Tensor, tokens: Int32):  # fmt: skip
+               mCombOut: cute.Tensor, mNormed: cute.Tensor, mPhases: cute.Tensor,
+               tokens: Int32):  # fmt: skip
         D, W, TB = self.D, self.W, self.tb
         tid, _, _ = cute.arch.thread_idx()
         _, group, _ = cute.arch.block_idx()
@@ -215,6 +239,8 @@ class CuteBoundary:
         lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
         col = rank * W + tid
         t0 = group * TB
+        at = (mPhases, group, rank, tid)  # where a `phases` build stamps the time
+        self._stamp(*at, 0)
 
         smem = cutlass.memory.SmemAllocator()
         # Each warp's partial sums, then each CTA's (written by the peers), then the totals.
@@ -241,6 +267,7 @@ class CuteBoundary:
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
+        self._stamp(*at, 1)
 
         # Phase 1: the streams of this column, stored, and their partial sums.
         rS = cute.make_rmem_tensor(cute.make_layout((TB, H)), Float32)
@@ -270,6 +297,7 @@ class CuteBoundary:
                 for k in cutlass.range_constexpr(NPART - 32):
                     sWarp[i, warp, 32 + k] = extra[k]
         cute.arch.barrier()
+        self._stamp(*at, 2)
 
         # The CTA's partials to every CTA of the cluster (their sPeer[rank]), once every
         # peer's mbarrier is armed (the cluster wait).
@@ -285,6 +313,7 @@ class CuteBoundary:
             for peer in cutlass.range_constexpr(CLUSTER):
                 _push(p, addr, mbar_addr, Int32(peer))
         cute.arch.mbarrier_wait(mbar, 0)
+        self._stamp(*at, 3)
         for k in cutlass.range(tid, TB * NPART, W):
             i, v = k // NPART, k % NPART
             s = Float32(0.0)
@@ -292,6 +321,7 @@ class CuteBoundary:
                 s += sPeer[r, i, v]
             sTot[i, v] = s
         cute.arch.barrier()
+        self._stamp(*at, 4)
 
         # Phase 2: post and Sinkhorn (one lane a token), the collapse and norm (every column).
         if const_expr(not self.head):  # noqa: SIM102 (a compile-time branch, then a run-time one)
@@ -299,10 +329,16 @@ class CuteBoundary:
                 t = t0 + lane
                 if t < tokens:
                     self._post_comb(sTot, lane, t, mScale, mBase, mPostOut, mCombOut)
+        self._stamp(*at, 5)
         for i in cutlass.range_constexpr(TB):
             t = t0 + i
             if t < tokens:
                 self._normed(sTot, rS, i, t, col, w, mScale, mBase, mNormed)
+        self._stamp(*at, 6)
+
+    def _stamp(self, mPhases, group, rank, tid, point: int):
+        if const_expr(self.phases):
+            _stamp(mPhases, group, rank, tid, point)
 
     def _streams(self, rS, i, t, col, mX, mRes, mPost, mComb):
         """rS[i, :] = the streams of token t at column col (FP32 holding BF16 values)."""
@@ -394,11 +430,11 @@ class CuteBoundary:
 # Host side: one compiled kernel per static configuration, launched on raw pointers (no
 # per-call tensor conversion: a pointer is all the kernel's layouts need).
 
-_DTYPES = {"bfloat16": BFloat16, "float32": Float32}
+_DTYPES = {"bfloat16": BFloat16, "float32": Float32, "int64": Int64}
 # The pointers' element types in argument order; fn, scale, base and norm follow the site's
 # weights (FP32 or BF16), an unused pointer keeps its slot's type.
 _SLOTS = ("bfloat16", "bfloat16", "float32", "float32", None, None, None, None,
-          "bfloat16", "float32", "float32", "bfloat16")  # fmt: skip
+          "bfloat16", "float32", "float32", "bfloat16", "int64")  # fmt: skip
 
 
 def _pointer(dtype: str, address: int):
@@ -408,7 +444,7 @@ def _pointer(dtype: str, address: int):
 
 
 def slot_dtypes(weights: tuple[str, str, str, str]) -> tuple[str, ...]:
-    """The 12 pointers' dtypes for a site whose (fn, scale, base, norm) have `weights`."""
+    """The 13 pointers' dtypes for a site whose (fn, scale, base, norm) have `weights`."""
     it = iter(weights)
     return tuple(s if s is not None else next(it) for s in _SLOTS)
 
@@ -433,7 +469,7 @@ def compile_boundary(dtypes: tuple[str, ...], **static):
 
 
 def launch(compiled, tensors, tokens: int, stream: int) -> None:
-    """Run `compiled` on the 12 tensors (contiguous, of their slots' dtypes) for `tokens`."""
+    """Run `compiled` on the 13 tensors (contiguous, of their slots' dtypes) for `tokens`."""
     import cuda.bindings.driver as cuda
 
     ptrs = [_pointer(str(t.dtype).removeprefix("torch."), t.data_ptr()) for t in tensors]
