@@ -249,6 +249,10 @@ class CuteBoundary:
         sWarp = smem.allocate_tensor(Float32, _rows((TB, self.warps, NPART)), 16)
         sPeer = smem.allocate_tensor(Float32, _rows((CLUSTER, TB, NPART)), 16)
         sTot = smem.allocate_tensor(Float32, _rows((TB, NPART)), 16)
+        # The mix's scale [3] and base [NMIX]: read once, before the wait, by the first
+        # threads (the phases build showed them read after the exchange, each a round trip
+        # to HBM on rank 0's path: its post, softmax and the norm's pre all wait on them).
+        sGain = smem.allocate_tensor(Float32, cute.make_layout(3 + NMIX), 16)
         mbar = smem.allocate_array(cutlass.Int64, 1)
 
         # Independent of the previous kernel: the weights, and the mbarrier that counts the
@@ -265,6 +269,11 @@ class CuteBoundary:
                 for h in cutlass.range_constexpr(H):
                     rFn[j, h] = mFn[j, h * D + col].to(Float32)
         w = mNorm[col].to(Float32)
+        if const_expr(not self.head):  # visible to every thread after phase 1's barrier
+            if tid < 3:
+                sGain[tid] = mScale[tid].to(Float32)
+            elif tid < 3 + NMIX:
+                sGain[tid] = mBase[tid - 3].to(Float32)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
@@ -329,12 +338,12 @@ class CuteBoundary:
             if (rank == 0) & (warp == 0) & (lane < TB):
                 t = t0 + lane
                 if t < tokens:
-                    self._post_comb(sTot, lane, t, mScale, mBase, mPostOut, mCombOut)
+                    self._post_comb(sTot, lane, t, sGain, mPostOut, mCombOut)
         self._stamp(*at, 5)
         for i in cutlass.range_constexpr(TB):
             t = t0 + i
             if t < tokens:
-                self._normed(sTot, rS, i, t, col, w, mScale, mBase, mNormed)
+                self._normed(sTot, rS, i, t, col, w, sGain, mNormed)
         self._stamp(*at, 6)
 
     def _stamp(self, mPhases, group, rank, tid, point: int):
@@ -377,19 +386,18 @@ class CuteBoundary:
         trace = g[0, 0] + g[1, 1] + g[2, 2] + g[3, 3]
         return g, cute.math.rsqrt(trace / (H * self.D) + self.rms_eps)
 
-    def _pre(self, tot, i, mScale, mBase):
+    def _pre(self, tot, i, gain):
         """pre [H] of token slot i from the totals (HEAD: the mean), and the Gram matrix."""
         g, r = self._gram(tot, i)
         if const_expr(self.head):
             pre = [Float32(0.25) for _ in range(H)]
         else:
-            s0 = mScale[0].to(Float32)
-            pre = [_sigmoid(tot[i, h] * r * s0 + mBase[h].to(Float32)) + self.hc_eps
+            pre = [_sigmoid(tot[i, h] * r * gain[0] + gain[3 + h]) + self.hc_eps
                    for h in range(H)]  # fmt: skip
         return pre, g
 
-    def _normed(self, tot, rS, i, t, col, w, mScale, mBase, mNormed):
-        pre, g = self._pre(tot, i, mScale, mBase)
+    def _normed(self, tot, rS, i, t, col, w, gain, mNormed):
+        pre, g = self._pre(tot, i, gain)
         # The collapsed row's sum of squares, pre^T G pre, without a pass over the row.
         q = Float32(0.0)
         for a in range(H):
@@ -404,18 +412,18 @@ class CuteBoundary:
         y = w * _bf16(_bf16(collapsed) * rstd)
         mNormed[t, col] = y.to(BFloat16)
 
-    def _post_comb(self, tot, i, t, mScale, mBase, mPostOut, mCombOut):
+    def _post_comb(self, tot, i, t, gain, mPostOut, mCombOut):
         """post [H] and comb = Sinkhorn(softmax_rows(m * gain + b) + eps) [H, H] of token t,
         as the reference iterates it (columns first), the 4 x 4 matrix in registers."""
         _, r = self._gram(tot, i)
-        s1, s2 = mScale[1].to(Float32), mScale[2].to(Float32)
+        s1, s2 = gain[1], gain[2]
         for h in range(H):
-            z = tot[i, H + h] * r * s1 + mBase[H + h].to(Float32)
+            z = tot[i, H + h] * r * s1 + gain[3 + H + h]
             mPostOut[t, h] = self.post_mult * _sigmoid(z)
         eps = Float32(self.hc_eps)
         rC = cute.make_rmem_tensor(cute.make_layout((H, H), stride=(H, 1)), Float32)
         for a in range(H):  # softmax over each row, + eps
-            z = [tot[i, 2 * H + a * H + b] * r * s2 + mBase[2 * H + a * H + b].to(Float32)
+            z = [tot[i, 2 * H + a * H + b] * r * s2 + gain[3 + 2 * H + a * H + b]
                  for b in range(H)]  # fmt: skip
             top = cute.arch.fmax(cute.arch.fmax(z[0], z[1]), cute.arch.fmax(z[2], z[3]))
             e = [cute.math.exp(z[b] - top) for b in range(H)]
