@@ -371,6 +371,22 @@ def test_non_string_token_keys_are_refused_before_vllm_hashes_them(vllm_config):
     assert decode.policy("moe", 8) == "per_route" and decode.policy("moe", 4) == "grouped"
 
 
+def test_non_string_keys_of_a_policy_the_stock_decode_ignores_are_refused(vllm_config):
+    """Ignored by the stock decode, the policy is still hashed by vLLM: its int keys would
+    crash compute_hash there too."""
+    from glm5_policy import PolicyError
+    from glm5_vllm.config import specialized_decode_config
+
+    config = vllm_config(additional_config={"policy": {"moe": {8: "grouped", "1-4": "grouped"}}})
+    with pytest.raises(TypeError, match="'<' not supported"):
+        config.compute_hash()
+    with pytest.raises(PolicyError) as e:
+        specialized_decode_config(config, H200)
+    assert e.value.problems == [
+        "policy['moe'][8]: key 8 is not a string (keys are JSON text: write '8')"
+    ]
+
+
 @pytest.fixture
 def llama_dir(tmp_path):
     """A tiny Llama checkpoint config that carries "mhc": true."""

@@ -174,6 +174,21 @@ def _extra(vllm_config: Any) -> dict:
     return extra if isinstance(extra, dict) else {}
 
 
+def _keys_not_strings(obj: Any, where: str) -> list[str]:
+    """Every key of the mappings in `obj` that is not a string (vLLM's config hash sorts
+    additional_config's keys as JSON text), each with its path."""
+    if not isinstance(obj, dict):
+        return []
+    found = []
+    for key, value in obj.items():
+        at = f"{where}[{key!r}]"
+        if isinstance(key, str):
+            found += _keys_not_strings(value, at)
+        else:
+            found.append(f"{at}: key {key!r} is not a string (keys are JSON text: write '{key}')")
+    return found
+
+
 def specialized_decode_config(
     vllm_config: Any, capability: tuple[int, int] | None = None
 ) -> DecodeConfig | None:
@@ -195,6 +210,10 @@ def specialized_decode_config(
     backend = extra.get("decode_backend", "auto")
     if backend == "auto":
         if extra.get("policy") is not None:
+            # Ignored, but still hashed by vLLM as sorted JSON: a key that is no string
+            # would crash that hash with no word of why (one error here instead).
+            if problems := _keys_not_strings(extra["policy"], "policy"):
+                raise PolicyError(problems)
             _warn_once(
                 "policy ignored",
                 "additional_config['policy'] is ignored: decode_backend is %s, not "
