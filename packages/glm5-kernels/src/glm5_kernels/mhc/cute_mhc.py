@@ -22,9 +22,10 @@ which is the whole cost at decode sizes (the bytes allow ~0.4 µs):
   global memory). Every CTA sums the C partials in rank order: all hold bit-identical
   totals, as the Triton kernel's deterministic split order does.
 - Sinkhorn (19 dependent iterations of a 4 x 4 matrix) runs on one lane a token in CTA rank
-  0's warp 0 while every other warp collapses, normalizes and stores its columns; with the
-  post and comb it is 3.0-3.2 µs of the 6.0 at 1-64 tokens on the H200, on rank 0's
-  critical path (the phases build, benchmarks/boundary.py --phases).
+  0's warp 0 while every other warp collapses, normalizes and stores its columns. With the
+  post and comb it measured 3.0-3.2 µs of the 6.0 at 1-64 tokens on the H200, on rank 0's
+  critical path (the phases build, benchmarks/boundary.py --phases, commit 94cec64), most
+  of it the mix's scale and base read after the exchange: read before the PDL wait since.
 - The streams are stored as soon as they are computed, before any reduction.
 
 Measured (H200, benchmarks/boundary.py): 6.1 / 6.4 / 10.7 / 27.1 µs at 1 / 8 / 16 / 64
