@@ -24,8 +24,9 @@ which is the whole cost at decode sizes (the bytes allow ~0.4 µs):
 - Sinkhorn (19 dependent iterations of a 4 x 4 matrix) runs on one lane a token in CTA rank
   0's warp 0 while every other warp collapses, normalizes and stores its columns. With the
   post and comb it measured 3.0-3.2 µs of the 6.0 at 1-64 tokens on the H200, on rank 0's
-  critical path (the phases build, benchmarks/boundary.py --phases, commit 94cec64), most
-  of it the mix's scale and base read after the exchange: read before the PDL wait since.
+  critical path (the phases build, benchmarks/boundary.py --phases, commit 94cec64); its
+  loop is ~0.8 µs of SASS, and the compiled code read the mix's scale and base from global
+  memory after the exchange: they are read before the PDL wait since (not yet timed).
 - The streams are stored as soon as they are computed, before any reduction.
 
 Measured (H200, benchmarks/boundary.py): 6.1 / 6.4 / 10.7 / 27.1 µs at 1 / 8 / 16 / 64
