@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import time
 
 import torch
@@ -165,8 +166,6 @@ def _sweep(path: str, op: MhcBoundary, m: int, ours) -> list[dict]:
 def phases(m: int, sets) -> dict:
     """The timestamped CuTe boundary's chain over `sets` (one call each) at m tokens: the
     median over calls 2.. of each interval (module docstring), in µs."""
-    import statistics
-
     from glm5_kernels.mhc import cute_mhc
 
     c, tb = CONFIG, MhcBoundary.cute_tb(m)
