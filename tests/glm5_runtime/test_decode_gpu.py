@@ -7,7 +7,8 @@ against the stock reference's graph of the same step:
   (KDA x3 and MLA+DSA, dense and MoE MLPs) and the MTP layer: SWEEP_STEPS replays a size
   (from a 9-token prompt: a pool completes and the indexer's ring — 16 slots at q = 1, 32
   above — wraps at every q; the KDA state over 64 steps is test_kda_gpu.py's). 64 replays a
-  size made q = 1 alone take over 5 minutes of a 10-minute GPU call;
+  size made q = 1 alone take over 5 minutes of a 10-minute GPU call; the sweep runs in chunks
+  of at most 16 sizes (`_sweep_chunks`), so that pytest-xdist spreads q = 1 over processes;
 - the full 45-layer depth at the smallest and largest sizes of q = 1 and q = 4, DEPTH_STEPS
   replays each.
 
@@ -340,16 +341,27 @@ class Sides:
                 self._worse(side, kind, other[rows], cache[rows], SLOT_DIMS[kind])
 
 
-@pytest.mark.parametrize("q", range(1, 9))
-def test_every_capture_size_with_draft_equals_stock(q):
+def _sweep_chunks(per_chunk=16):
+    """(q, request counts) for the sweep, at most `per_chunk` capture sizes a test: q = 1's
+    64 sizes take ~13 minutes in one process, past a 10-minute GPU call; in chunks, pytest-xdist
+    spreads them over processes (each builds its own models and yardstick)."""
+    for q in range(1, 9):
+        n = 64 // q
+        for lo in range(1, n + 1, per_chunk):
+            hi = min(lo + per_chunk - 1, n)
+            yield pytest.param(q, range(lo, hi + 1), id=f"q{q}-{lo * q}..{hi * q}tokens")
+
+
+@pytest.mark.parametrize("q, counts", list(_sweep_chunks()))
+def test_every_capture_size_with_draft_equals_stock(q, counts):
     sizes = list(range(1, 65))  # vLLM's capture sizes may be any; q-multiples are planned
     sides = Sides(_geometry(), q, sizes, 64 // q, with_draft=True, steps=SWEEP_STEPS)
-    for requests in range(1, 64 // q + 1):
+    for requests in counts:
         sides.run(requests)
         # This size's graphs are gone: drop the stage outputs they recorded.
         sides.pairs.clear()
         sides.draft_pairs.clear()
-    sides.check(f"q={q}", 1 / 8)  # test_decode's share of the tokens compared
+    sides.check(f"q={q} at {counts[0] * q}..{counts[-1] * q} tokens", 1 / 8)  # test_decode's share
 
 
 def test_three_capture_sizes_with_draft_equal_stock():
