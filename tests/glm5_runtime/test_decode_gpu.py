@@ -8,7 +8,8 @@ against the stock reference's graph of the same step:
   (from a 9-token prompt: a pool completes and the indexer's ring — 16 slots at q = 1, 32
   above — wraps at every q; the KDA state over 64 steps is test_kda_gpu.py's). 64 replays a
   size made q = 1 alone take over 5 minutes of a 10-minute GPU call; the sweep runs in chunks
-  of at most 16 sizes (`_sweep_chunks`), so that pytest-xdist spreads q = 1 over processes;
+  of at most 16 sizes (`_sweep_chunks`), so that pytest-xdist spreads q = 1 over processes
+  (~30 GiB each: three fit the H200, `-n 3`);
 - the full 45-layer depth at the smallest and largest sizes of q = 1 and q = 4, DEPTH_STEPS
   replays each.
 
@@ -343,8 +344,9 @@ class Sides:
 
 def _sweep_chunks(per_chunk=16):
     """(q, request counts) for the sweep, at most `per_chunk` capture sizes a test: q = 1's
-    64 sizes take ~13 minutes in one process, past a 10-minute GPU call; in chunks, pytest-xdist
-    spreads them over processes (each builds its own models and yardstick)."""
+    64 sizes take ~11 minutes in one process (160-176 s a chunk on the H200), past a 10-minute
+    GPU call; in chunks pytest-xdist spreads them over processes (each builds its own models
+    and yardstick)."""
     for q in range(1, 9):
         n = 64 // q
         for lo in range(1, n + 1, per_chunk):
