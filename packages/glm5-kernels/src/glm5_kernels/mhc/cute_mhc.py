@@ -21,16 +21,19 @@ which is the whole cost at decode sizes (the bytes allow ~0.4 µs):
   peer's shared memory, completing on the peer's mbarrier (no global atomics, no flag in
   global memory). Every CTA sums the C partials in rank order: all hold bit-identical
   totals, as the Triton kernel's deterministic split order does.
-- Sinkhorn (19 dependent iterations of a 4 x 4 matrix) runs on one lane a token in CTA rank
-  0's warp 0 while every other warp collapses, normalizes and stores its columns. With the
-  post and comb it measured 3.0-3.2 µs of the 6.0 at 1-64 tokens on the H200, on rank 0's
-  critical path (the phases build, benchmarks/boundary.py --phases, commit 94cec64); its
-  loop is ~0.8 µs of SASS, and the compiled code read the mix's scale and base from global
-  memory after the exchange: they are read before the PDL wait since (not yet timed).
+- Sinkhorn (19 dependent iterations of a 4 x 4 matrix) is the boundary's longest serial
+  chain: one lane a token in CTA rank 0's last warp (the "Sinkhorn warp"), which does
+  nothing else after the totals — warp 0 of the same CTA normalizes and stores its columns
+  too (handed over through shared memory in phase 1) — while the post's four sigmoids run
+  on rank 1. Every reciprocal on these paths is MUFU's approximate one (within 1 ulp; an
+  IEEE division compiles to a slow-path branch the scheduler cannot interleave). Measured
+  on the H200 with the post on the same lane and the norm after it: post + comb 3.0-3.2 µs
+  of the 6.0 at 1-64 tokens (the phases build, benchmarks/boundary.py --phases, commit
+  94cec64), 2.3 once the mix's scale and base were read before the PDL wait (a28cf20).
 - The streams are stored as soon as they are computed, before any reduction.
 
-Measured (H200, benchmarks/boundary.py): 6.1 / 6.4 / 10.7 / 27.1 µs at 1 / 8 / 16 / 64
-tokens, the Triton kernel 13.3 / 26.5 / 42.3 / 44.0.
+Measured (H200, benchmarks/boundary.py, a28cf20): 5.2 / 5.7 / 10.0 / 25.9 µs at 1 / 8 /
+16 / 64 tokens, the Triton kernel 13.2 / 26.4 / 42.5 / 43.8.
 
 World size 1 only: the TP exchange (glm5_kernels.exchange) stays with the Triton kernel.
 
@@ -118,16 +121,16 @@ def _bf16(x: Float32, *, loc=None, ip=None) -> Float32:
 
 @cute.jit
 def _stamp(mPhases: cute.Tensor, group: Int32, rank: Int32, tid: Int32,
-           at: cutlass.Constexpr[int]):  # fmt: skip
-    """Thread 0's global nanoseconds and SM cycles at PHASES[at] (a `phases` build)."""
-    if tid == 0:
+           at: cutlass.Constexpr[int], who: Int32):  # fmt: skip
+    """Thread `who`'s global nanoseconds and SM cycles at PHASES[at] (a `phases` build)."""
+    if tid == who:
         n = len(PHASES)
         mPhases[group, 2 * n * rank + at] = cute.arch.globaltimer()
         mPhases[group, 2 * n * rank + n + at] = cute.arch.clock64()
 
 
 def _sigmoid(x: Float32) -> Float32:
-    return 1.0 / (1.0 + cute.math.exp(-x))
+    return cute.arch.rcp_approx(1.0 + cute.math.exp(-x))
 
 
 def _reduce_scatter(v: list, lane: Int32) -> Float32:
@@ -195,6 +198,10 @@ class CuteBoundary:
         self.post_mult, self.iters, self.pdl = post_mult, sinkhorn_iters, pdl
         self.phases = phases
         self.warps = self.W // 32
+        # Sinkhorn's warp (rank 0's last) hands its columns' norm to warp 0 (module docstring);
+        # with one warp a CTA it keeps them, after Sinkhorn.
+        self.sink = self.warps - 1
+        self.handing = not head and self.warps > 1
 
     @cute.jit
     def __call__(
@@ -255,6 +262,8 @@ class CuteBoundary:
         # threads (the phases build showed them read after the exchange, each a round trip
         # to HBM on rank 0's path: its post, softmax and the norm's pre all wait on them).
         sGain = smem.allocate_tensor(Float32, cute.make_layout(3 + NMIX), 16)
+        # Rank 0's Sinkhorn warp's streams and norm weight, for warp 0 to normalize.
+        sHand = smem.allocate_tensor(Float32, _rows((TB, H + 1, 32)), 16)
         mbar = smem.allocate_array(cutlass.Int64, 1)
 
         # Independent of the previous kernel: the weights, and the mbarrier that counts the
@@ -308,6 +317,12 @@ class CuteBoundary:
             if lane == 0:
                 for k in cutlass.range_constexpr(NPART - 32):
                     sWarp[i, warp, 32 + k] = extra[k]
+        if const_expr(self.handing):  # noqa: SIM102 (a compile-time branch, then a run-time one)
+            if (rank == 0) & (warp == self.sink):
+                for i in cutlass.range_constexpr(TB):
+                    for h in cutlass.range_constexpr(H):
+                        sHand[i, h, lane] = rS[i, h]
+                    sHand[i, H, lane] = w
         cute.arch.barrier()
         self._stamp(*at, 2)
 
@@ -335,22 +350,40 @@ class CuteBoundary:
         cute.arch.barrier()
         self._stamp(*at, 4)
 
-        # Phase 2: post and Sinkhorn (one lane a token), the collapse and norm (every column).
-        if const_expr(not self.head):  # noqa: SIM102 (a compile-time branch, then a run-time one)
-            if (rank == 0) & (warp == 0) & (lane < TB):
+        # Phase 2: Sinkhorn (rank 0's last warp, one lane a token) and post (rank 1's warp
+        # 0), the collapse and norm (every column; rank 0's warp 0 also the Sinkhorn warp's).
+        sinking = (rank == 0) & (warp == self.sink)
+        if const_expr(not self.head):
+            if sinking & (lane < TB):
                 t = t0 + lane
                 if t < tokens:
-                    self._post_comb(sTot, lane, t, sGain, mPostOut, mCombOut)
-        self._stamp(*at, 5)
+                    self._comb(sTot, lane, t, sGain, mCombOut)
+            if (rank == 1 % CLUSTER) & (warp == 0) & (lane < TB):
+                t = t0 + lane
+                if t < tokens:
+                    self._post(sTot, lane, t, sGain, mPostOut)
+        self._stamp(*at, 5, who=cutlass.select_(rank == 0, Int32(self.sink * 32), Int32(0)))
         for i in cutlass.range_constexpr(TB):
             t = t0 + i
             if t < tokens:
-                self._normed(sTot, rS, i, t, col, w, sGain, mNormed)
+                pre, rstd = self._pre_rstd(sTot, i, sGain)
+                if const_expr(self.handing):
+                    if (rank != 0) | (warp != self.sink):  # not the Sinkhorn warp
+                        self._normed(pre, rstd, [rS[i, h] for h in range(H)], w, t, col,
+                                     mNormed)  # fmt: skip
+                    if (rank == 0) & (warp == 0):
+                        handed = [sHand[i, h, lane] for h in range(H)]
+                        self._normed(pre, rstd, handed, sHand[i, H, lane], t,
+                                     col + self.sink * 32, mNormed)  # fmt: skip
+                else:
+                    self._normed(pre, rstd, [rS[i, h] for h in range(H)], w, t, col, mNormed)
+        if const_expr(self.phases):  # "end": the CTA's last thread done
+            cute.arch.barrier()
         self._stamp(*at, 6)
 
-    def _stamp(self, mPhases, group, rank, tid, point: int):
+    def _stamp(self, mPhases, group, rank, tid, point: int, who=None):
         if const_expr(self.phases):
-            _stamp(mPhases, group, rank, tid, point)
+            _stamp(mPhases, group, rank, tid, point, Int32(0) if who is None else who)
 
     def _streams(self, rS, i, t, col, mX, mRes, mPost, mComb):
         """rS[i, :] = the streams of token t at column col (FP32 holding BF16 values)."""
@@ -398,30 +431,38 @@ class CuteBoundary:
                    for h in range(H)]  # fmt: skip
         return pre, g
 
-    def _normed(self, tot, rS, i, t, col, w, gain, mNormed):
+    def _pre_rstd(self, tot, i, gain):
+        """pre [H] of token slot i and the collapsed row's 1/rms: its sum of squares is
+        pre^T G pre, no pass over the row."""
         pre, g = self._pre(tot, i, gain)
-        # The collapsed row's sum of squares, pre^T G pre, without a pass over the row.
         q = Float32(0.0)
         for a in range(H):
             inner = Float32(0.0)
             for b in range(H):
                 inner += pre[b] * g[a, b]
             q += pre[a] * inner
-        rstd = 1.0 / cute.math.sqrt(q / self.D + self.norm_eps)
+        return pre, cute.math.rsqrt(q / self.D + self.norm_eps)
+
+    def _normed(self, pre, rstd, streams, w, t, col, mNormed):
+        """The normed output of column col from its streams (FP32 holding BF16 values)."""
         collapsed = Float32(0.0)
         for h in range(H):
-            collapsed += pre[h] * rS[i, h]
+            collapsed += pre[h] * streams[h]
         y = w * _bf16(_bf16(collapsed) * rstd)
         mNormed[t, col] = y.to(BFloat16)
 
-    def _post_comb(self, tot, i, t, gain, mPostOut, mCombOut):
-        """post [H] and comb = Sinkhorn(softmax_rows(m * gain + b) + eps) [H, H] of token t,
-        as the reference iterates it (columns first), the 4 x 4 matrix in registers."""
+    def _post(self, tot, i, t, gain, mPostOut):
+        """post [H] of token t from token slot i's totals."""
         _, r = self._gram(tot, i)
-        s1, s2 = gain[1], gain[2]
         for h in range(H):
-            z = tot[i, H + h] * r * s1 + gain[3 + H + h]
+            z = tot[i, H + h] * r * gain[1] + gain[3 + H + h]
             mPostOut[t, h] = self.post_mult * _sigmoid(z)
+
+    def _comb(self, tot, i, t, gain, mCombOut):
+        """comb = Sinkhorn(softmax_rows(m * gain + b) + eps) [H, H] of token t, as the
+        reference iterates it (columns first), the 4 x 4 matrix in registers."""
+        _, r = self._gram(tot, i)
+        s2 = gain[2]
         eps = Float32(self.hc_eps)
         rC = cute.make_rmem_tensor(cute.make_layout((H, H), stride=(H, 1)), Float32)
         for a in range(H):  # softmax over each row, + eps
@@ -429,7 +470,7 @@ class CuteBoundary:
                  for b in range(H)]  # fmt: skip
             top = cute.arch.fmax(cute.arch.fmax(z[0], z[1]), cute.arch.fmax(z[2], z[3]))
             e = [cute.math.exp(z[b] - top) for b in range(H)]
-            inv = 1.0 / (e[0] + e[1] + e[2] + e[3])
+            inv = cute.arch.rcp_approx(e[0] + e[1] + e[2] + e[3])
             for b in range(H):
                 rC[a, b] = e[b] * inv + eps
         _sinkhorn(rC, eps, self.iters)
