@@ -161,9 +161,8 @@ class MhcBoundary:
     def cute_tb(m: int) -> int:
         """Tokens a cluster: as few as keep the clusters to 16 (the mix GEMV's FMAs a CTA
         grow with its tokens; H200 sweep, benchmarks/boundary.py --sweep: one token a
-        cluster fastest up to 16). At one token a cluster the kernel takes 128 registers a
-        thread, so 256 CTAs fit two an SM; at two and four (143 and 188 registers, ptxas)
-        one an SM, so 16 clusters of 16 run in two waves (kernels README)."""
+        cluster fastest up to 16). Every build is bounded to 128 registers a thread (two
+        CTAs an SM, cute_mhc.SMEM_CARVEOUT's comment), so 16 clusters of 16 fit at once."""
         return next(tb for tb in (1, 2, 4, 8) if -(-m // tb) <= 16)
 
     def supports(self, m: int) -> bool:

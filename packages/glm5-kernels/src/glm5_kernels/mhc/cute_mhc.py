@@ -62,6 +62,11 @@ NMIX = (2 + H) * H  # mix logits: pre [H], post [H], comb [H, H]
 GRAM = ((0, 0), (0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3), (2, 2), (2, 3), (3, 3))
 NPART = NMIX + len(GRAM)  # the partial sums of one token: 34
 CLUSTER = 16  # CTAs a cluster (H100 / H200 allow 16 with the non-portable attribute)
+# Two CTAs an SM (`min_blocks_per_mp`: ptxas keeps a 256-thread CTA within 128 registers;
+# the 2- and 4-token builds took 143 / 188 unbounded, so 16 clusters of 16 ran as two waves
+# at 17-64 tokens; bounded, 128 with no spill / an 8-byte stack), and the shared memory
+# they need (a percentage of the SM's; given, not queried: the kernels compile without a GPU).
+SMEM_CARVEOUT = 25
 # Where a `phases` build stamps the time (thread 0 of each CTA): entry, the PDL wait's
 # return, the CTA's partial sums reduced, the cluster's partials all arrived, the totals
 # summed, post and comb written (Sinkhorn: CTA rank 0; the others pass straight on), and the
@@ -234,6 +239,7 @@ class CuteBoundary:
         ).launch(
             grid=[CLUSTER, cute.ceil_div(tokens, self.tb), 1], block=[self.W, 1, 1],
             cluster=[CLUSTER, 1, 1], stream=stream, use_pdl=self.pdl,
+            min_blocks_per_mp=2, preferred_smem_carveout=SMEM_CARVEOUT,
         )  # fmt: skip
 
     @cute.kernel
