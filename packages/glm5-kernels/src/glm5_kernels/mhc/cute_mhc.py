@@ -29,11 +29,13 @@ which is the whole cost at decode sizes (the bytes allow ~0.4 µs):
   IEEE division compiles to a slow-path branch the scheduler cannot interleave). Measured
   on the H200 with the post on the same lane and the norm after it: post + comb 3.0-3.2 µs
   of the 6.0 at 1-64 tokens (the phases build, benchmarks/boundary.py --phases, commit
-  94cec64), 2.3 once the mix's scale and base were read before the PDL wait (a28cf20).
+  94cec64), 2.3 once the mix's scale and base were read before the PDL wait (a28cf20),
+  1.8 on its own warp (69a657e).
 - The streams are stored as soon as they are computed, before any reduction.
 
-Measured (H200, benchmarks/boundary.py, a28cf20): 5.2 / 5.7 / 10.0 / 25.9 µs at 1 / 8 /
-16 / 64 tokens, the Triton kernel 13.2 / 26.4 / 42.5 / 43.8.
+Measured (H200, benchmarks/boundary.py, 69a657e): 4.96 / 5.35 / 9.74 / 20.7 µs at 1 / 8 /
+16 / 64 tokens, the Triton kernel 13.4 / 26.7 / 42.4 / 43.9; rank 0's Sinkhorn warp 1.8 µs
+of the 4.35 µs period at one token (--phases).
 
 World size 1 only: the TP exchange (glm5_kernels.exchange) stays with the Triton kernel.
 
