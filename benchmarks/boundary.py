@@ -15,7 +15,9 @@ token count. `--phases` replays the same chain of CuTe boundaries built with tim
 at each point) and reports, as medians over the chain's boundaries, where one boundary's
 time goes: from the previous boundary's last CTA done to this one's PDL wait returning
 (`release`), then each phase of the kernel in its CTAs' cycles (rank 0, which runs Sinkhorn,
-apart from the others), and the chain's period.
+apart from the others), and the chain's period. `--sinkhorn-iters N` builds every boundary
+(and the stock) with N Sinkhorn iterations instead of the model's 20: an experiment that
+prices one iteration on the critical path (timed with N = 1 and 20, say).
 
     PYTHONPATH=packages/glm5-kernels/src:packages/glm5-runtime/src:packages/glm5-policy/src \\
         python benchmarks/boundary.py --out benchmarks/results/boundary_h200.json
@@ -24,6 +26,7 @@ apart from the others), and the chain's period.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import statistics
@@ -79,11 +82,19 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="one eager boundary per path and token count, nothing timed (for "
                              "`ncu -k regex:'hc_boundary|CuteBoundary'`)")  # fmt: skip
+    parser.add_argument("--sinkhorn-iters", type=int, default=None,
+                        help="Sinkhorn iterations of every boundary (an experiment; the model "
+                             "runs 20)")  # fmt: skip
     result_args(parser)
     args = parser.parse_args()
     if args.table:
         print(table(args.table))
         return
+    if args.sinkhorn_iters is not None:
+        if args.sinkhorn_iters < 1:
+            parser.error("--sinkhorn-iters: at least 1")
+        global CONFIG
+        CONFIG = dataclasses.replace(CONFIG, sinkhorn_iters=args.sinkhorn_iters)
     gen = torch.Generator("cuda").manual_seed(0)
     bw = floor_bandwidth()
     paths = args.paths.split(",")
