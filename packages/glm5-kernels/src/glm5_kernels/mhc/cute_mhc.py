@@ -71,8 +71,8 @@ CLUSTER = 16  # CTAs a cluster (H100 / H200 allow 16 with the non-portable attri
 SMEM_CARVEOUT = 25
 # Where a `phases` build stamps the time (thread 0 of each CTA): entry, the PDL wait's
 # return, the CTA's partial sums reduced, the cluster's partials all arrived, the totals
-# summed, post and comb written (Sinkhorn: CTA rank 0; the others pass straight on), and the
-# normed output stored.
+# summed, comb written (rank 0: stamped by the Sinkhorn warp's first thread; rank 1's
+# thread 0 after the post; the others pass straight on), and the CTA done (a barrier).
 PHASES = ("start", "waited", "partials", "exchanged", "totals", "post_comb", "end")
 
 
@@ -366,7 +366,7 @@ class CuteBoundary:
                 t = t0 + lane
                 if t < tokens:
                     self._comb(sTot, lane, t, sGain, mCombOut)
-            if (rank == 1 % CLUSTER) & (warp == 0) & (lane < TB):
+            if (rank == 1) & (warp == 0) & (lane < TB):  # CLUSTER > 1
                 t = t0 + lane
                 if t < tokens:
                     self._post(sTot, lane, t, sGain, mPostOut)
