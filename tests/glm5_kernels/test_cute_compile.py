@@ -41,3 +41,8 @@ def test_cute_kernels_compile(arch, tmp_path):
         assert "mbarrier.try_wait" in body
         assert "atom.global" not in text and "red.global" not in text
         assert ".local" not in text, "a register array fell to local memory"
+        # Two CTAs an SM (ptxas bounds the registers for them: 16 clusters of 16 in one
+        # wave), and no IEEE division or square root on the Sinkhorn / norm chains (each
+        # compiles to a slow-path branch the scheduler cannot interleave).
+        assert ".minnctapersm 2" in text, path.name
+        assert not re.search(r"\b(div|rcp|sqrt)\.rn\.f32", text), path.name
