@@ -14,7 +14,9 @@ vLLM (`--vllm-ops DIR`, a folder of vLLM 0.33's files made by `benchmarks/vllm_f
 library router and routing ops, then vLLM 0.33's fused-MoE Triton kernel over the block-FP8
 weights in place, as its TritonExperts runs it (`glm5_runtime.vllm_stock.fused_experts`:
 vLLM's per-token-group quantization, block assignment, fused_moe_kernel for w13 and w2, the
-clamped SwiGLU; the alignment sort and the top-k sum in torch), plus the library's shared expert.
+clamped SwiGLU; the alignment sort and the top-k sum in torch), the shared expert through the
+same sequence as one expert of weight 1 (torch's block-scaled _scaled_mm, the library's GEMM,
+refuses TP 8's down_proj: K 256).
 Floor: the touched experts' weights and scales (each once), the shared expert's, the
 router's, and x / logits / output bytes ÷ `hbm_bandwidth()` measured in the same run.
 
@@ -54,7 +56,8 @@ E, D, K, LIMIT, SCALING, INTER = 288, 4096, 8, 10.0, 2.5, 2048
 COPIES = 8  # routings / router / shared-expert copies cycled through per graph
 VLLM_ROW = (
     "library router + torch routing ops + vLLM 0.33's TritonExperts sequence "
-    "(glm5_runtime.vllm_stock.fused_experts) + the library's shared expert"
+    "(glm5_runtime.vllm_stock.fused_experts) + the shared expert through the same sequence "
+    "(one expert, weight 1)"
 )
 # per_route_side: MegaExperts without the shared expert, which runs beside them on a second
 # stream inside the graph (gemm.SharedExpert), added at the end.
@@ -118,15 +121,17 @@ def library_layer(x, router_w, bias, logits, experts, shared):
 
 def vllm_layer(kernels, x, router_w, bias, logits, experts, shared):
     """vLLM's fused-MoE experts after the library router and torch's routing ops (`logits`
-    fix the routing), plus the library's shared expert."""
+    fix the routing), plus the shared expert through the same kernel (one expert, weight 1)."""
     w13, s13, w2, s2 = experts
+    one = [t[None] for t in shared]
+    ids = torch.zeros(x.shape[0], 1, dtype=torch.int32, device=x.device)
+    unit = torch.ones(x.shape[0], 1, device=x.device)
 
     def run():
         router_library(x, router_w)  # its logits are replaced by the planned ones
-        weights, ids = torch_routing(logits, bias)
-        routed = fused_experts(kernels, x, w13, s13, w2, s2, ids, weights, LIMIT)
-        xq, sx = quantize_tokens_fp8_ref(x)
-        return routed + fp8_mlp_library(xq, sx, *shared, LIMIT)
+        weights, routes = torch_routing(logits, bias)
+        routed = fused_experts(kernels, x, w13, s13, w2, s2, routes, weights, LIMIT)
+        return routed + fused_experts(kernels, x, *one, ids, unit, LIMIT)
 
     return run
 
