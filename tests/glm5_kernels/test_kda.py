@@ -49,22 +49,23 @@ def _up(x, w):
 
 
 @pytest.mark.parametrize(
-    "lower_bound, tile, low_rank",
-    [(-5.0, (V // 2, 2), False), (None, None, False), (-5.0, (V, 4), False), (-5.0, None, True)],
-    ids=["safe-gate", "softplus", "whole-head", "low-rank-gates"],
-)
-def test_consecutive_steps_equal_the_reference(lower_bound, tile, low_rank):
+    "lower_bound, tile, rank",
+    [(-5.0, (V // 2, 2), 0), (None, None, 0), (-5.0, (V, 4), 0), (-5.0, None, RANK),
+     (-5.0, None, 64)],
+    ids=["safe-gate", "softplus", "whole-head", "low-rank-gates", "low-rank-gates-one-round"],
+)  # fmt: skip
+def test_consecutive_steps_equal_the_reference(lower_bound, tile, rank):
     """Each head's V split over two CTAs (the last one normalizes), the planned tiles
     (split for decodes, whole for the verifies), a head in one CTA; f_b and g_b in the
-    kernel (`low_rank`: the calls hand it f_a and g_a, the reference their BF16
-    up-projections)."""
+    kernel (`rank` > 0: the calls hand it f_a and g_a, the reference their BF16
+    up-projections; 24 wide: three rounds of 8 columns, 64: one round at these heads)."""
     gen = torch.Generator().manual_seed(0 if lower_bound else 1)
     w = _weights(gen, lower_bound)
-    gates = {}
+    gates, low_rank = {}, rank > 0
     if low_rank:
-        scale = RANK**-0.5
-        gates = {"f_b": (torch.randn(H * K, RANK, generator=gen) * scale).bfloat16(),
-                 "g_b": (torch.randn(H * V, RANK, generator=gen) * scale).bfloat16()}  # fmt: skip
+        scale = rank**-0.5
+        gates = {"f_b": (torch.randn(H * K, rank, generator=gen) * scale).bfloat16(),
+                 "g_b": (torch.randn(H * V, rank, generator=gen) * scale).bfloat16()}  # fmt: skip
     op = KdaDecode(**w, max_tokens=Q, **gates)
     assert op.low_rank == low_rank
     op.tile = tile
@@ -86,8 +87,8 @@ def test_consecutive_steps_equal_the_reference(lower_bound, tile, low_rank):
                      write_slots=write, keep=verify and t > 1)  # fmt: skip
         x = _inputs(gen, r, t)
         if low_rank:  # f_a and g_a as strided rows of one tensor, as the fused in_proj's
-            halves = torch.randn(r, t, 2 * RANK + 3, generator=gen).bfloat16()
-            f_a, g_a = halves[..., :RANK], halves[..., RANK + 3 :]
+            halves = torch.randn(r, t, 2 * rank + 3, generator=gen).bfloat16()
+            f_a, g_a = halves[..., :rank], halves[..., rank + 3 :]
             given = (x[0], f_a, x[2], g_a)
             x = (x[0], _up(f_a, gates["f_b"]), x[2], _up(g_a, gates["g_b"]))
         else:

@@ -83,6 +83,7 @@ class KdaDecode:
         self.tile: tuple[int, int] | None = None  # (BV, warps) for every step, else plan()
         self._ready: set[tuple] = set()  # (tokens per request, keep, BV, warps) compiled
         self._part = torch.empty(0, device=self._device)  # slices' sums of squares
+        self._gbuf = torch.empty(0, device=self._device)  # split heads' projected gates
         self._count = torch.zeros(0, dtype=torch.int32, device=self._device)  # per (request, head)
 
     def supports(self, tokens: int) -> bool:
@@ -132,7 +133,9 @@ class KdaDecode:
         """The workspace for a step of `requests` x `rows` token rows (grown outside capture
         only; the counters are zero between steps)."""
         part, count = rows * self.heads * (self.v // 16), requests * self.heads
-        if self._part.numel() >= part and self._count.numel() >= count:
+        gbuf = rows * self.heads * self.v if self.low_rank else 1
+        if (self._part.numel() >= part and self._count.numel() >= count
+                and self._gbuf.numel() >= gbuf):  # fmt: skip
             return
         if capturing():
             raise RuntimeError(
@@ -140,6 +143,7 @@ class KdaDecode:
                 "the step sizes before CUDA-graph capture"
             )
         self._part = torch.empty(max(part, self._part.numel()), device=self._device)
+        self._gbuf = torch.empty(max(gbuf, self._gbuf.numel()), device=self._device)
         self._count = torch.zeros(max(count, self._count.numel()), dtype=torch.int32,
                                   device=self._device)  # fmt: skip
 
@@ -180,19 +184,20 @@ class KdaDecode:
         if out is None:
             out = torch.empty(r, t, h * v, dtype=qkv.dtype, device=qkv.device)
         idx = [x.contiguous() for x in (conv_slots, conv_offset, read_slots, write_slots)]
-        lb = self.lower_bound
+        lb, tp = self.lower_bound, 1 << (t - 1).bit_length()
         self._kernel[(r, h, v // bv)](
             qkv, f, b, gate, out, conv, recurrent,
             self.conv_weight, self.dt_bias, self.A_log, self.norm_weight,
             f if self.f_b is None else self.f_b, gate if self.g_b is None else self.g_b, *idx,
-            self._part, self._count,
+            self._part, self._count, self._gbuf,
             *(_row_stride(x) for x in (qkv, f, b, gate, out)),
             conv.stride(0), conv.stride(1), recurrent.stride(0),
             h, k**-0.5, 0.0 if lb is None else lb, self.eps,
-            T=t, TP=1 << (t - 1).bit_length(), K=k, V=v, BV=bv, W=self.width,
+            T=t, TP=tp, K=k, V=v, BV=bv, W=self.width,
             NCP=1 << (self.width - 3 + t).bit_length(),  # >= W-2+T
             KEEP=keep, HAS_LB=lb is not None,
             RF=self.f_width if self.low_rank else 0, RG=self.gate_width if self.low_rank else 0,
+            RC_F=_chunk(self.f_width, tp * k), RC_G=_chunk(self.gate_width, tp * bv),
             INTERPRETER=self._interp, PDL=self._pdl, num_warps=warps, launch_pdl=self._pdl,
         )  # fmt: skip
         return out
@@ -247,6 +252,16 @@ class KdaDecode:
                 problems.append(f"conv_offset: a window past the {conv.shape[1]} conv columns")
         if problems:
             raise ValueError("KdaDecode: " + "; ".join(problems))
+
+
+def _chunk(r: int, tile: int, elements: int = 4096) -> int:
+    """Columns of a low-rank width r projected a round by `triton_kda._up` over a [tile, RC]
+    register tile of at most `elements` products: a power of two from 8 to r (r: a multiple
+    of 8)."""
+    rc = 8
+    while rc * 2 <= r and r % (rc * 2) == 0 and tile * rc * 2 <= elements:
+        rc *= 2
+    return rc
 
 
 def _row_stride(x: Tensor) -> int:

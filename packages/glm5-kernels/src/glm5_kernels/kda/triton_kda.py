@@ -27,7 +27,8 @@ outputs read as strided rows (vLLM's fused q | k | v | ... rows need no copy).
 With RF / RG > 0 the forget gate's and the output gate's rows are their low-rank halves
 (f_a, g_a: RF, RG wide) and the CTA projects its head's columns itself (f_b, g_b: FP32 sums
 of exact products, rounded to BF16 as the model's linear is): two launches fewer a layer,
-and each CTA reads only its head's K (V) rows of f_b (g_b).
+and each CTA reads only its head's K rows of f_b and its V slice's rows of g_b (a split
+head's slices leave their projected gate columns in an FP32 buffer for the last CTA).
 """
 
 import triton
@@ -61,12 +62,15 @@ def _conv(conv_row_ptr, qkv_ptr, w_ptr, tt, T, c, offset, stride_cc, stride_qkv,
 
 
 @triton.jit
-def _up(x_ptr, stride_x, w_ptr, rows, live, cols, R: tl.constexpr, INTERPRETER: tl.constexpr):
+def _up(x_ptr, stride_x, w_ptr, rows, live, cols, R: tl.constexpr, RC: tl.constexpr,
+        INTERPRETER: tl.constexpr):  # fmt: skip
     """A low-rank projection's second half: rows of x [., R] times w[cols, :R]^T (w [N, R]
-    row-major), [len(rows), len(cols)] FP32 sums of exact products rounded to BF16."""
+    row-major), [len(rows), len(cols)] FP32 sums of exact products rounded to BF16. RC
+    columns of R a round: few rounds, because each is a dependent trip to memory (R / 8 of
+    them cost the one-token step ~1 µs each), within a [rows, cols, RC] register tile."""
     acc = tl.zeros([rows.shape[0], cols.shape[0]], tl.float32)
-    for j in tl.static_range(0, R, 8):  # 8 columns at a time: a small [rows, cols, 8] tile
-        jj = j + tl.arange(0, 8)
+    for j in tl.static_range(0, R, RC):
+        jj = j + tl.arange(0, RC)
         x = tl.load(x_ptr + rows[:, None] * stride_x + jj[None, :], mask=live[:, None],
                     other=0.0).to(tl.float32)  # fmt: skip
         w = tl.load(w_ptr + cols[:, None] * R + jj[None, :]).to(tl.float32)
@@ -75,11 +79,11 @@ def _up(x_ptr, stride_x, w_ptr, rows, live, cols, R: tl.constexpr, INTERPRETER: 
 
 
 @triton.jit
-def _gate(gate_ptr, gb_ptr, rows, live, cols, stride_g, RG: tl.constexpr,
+def _gate(gate_ptr, gb_ptr, rows, live, cols, stride_g, RG: tl.constexpr, RC: tl.constexpr,
           INTERPRETER: tl.constexpr):  # fmt: skip
     """The output gate's columns `cols` of the rows: loaded, or projected from g_a (RG > 0)."""
     if RG > 0:
-        return _up(gate_ptr, stride_g, gb_ptr, rows, live, cols, RG, INTERPRETER)
+        return _up(gate_ptr, stride_g, gb_ptr, rows, live, cols, RG, RC, INTERPRETER)
     return tl.load(gate_ptr + rows[:, None] * stride_g + cols[None, :], mask=live[:, None],
                    other=0.0).to(tl.float32)  # fmt: skip
 
@@ -105,11 +109,13 @@ def kda_decode_kernel(
     fb_ptr, gb_ptr,  # f_b [H*K, RF], g_b [H*V, RG] where RF / RG > 0
     conv_slot_ptr, conv_off_ptr, read_slot_ptr, write_slot_ptr,
     part_ptr, count_ptr,  # [R*T, H, NV] FP32 sums of squares; [R*H] int32 zeros
+    gbuf_ptr,  # [R*T, H*V] FP32: a split head's projected gate (RG > 0), slice by slice
     stride_qkv, stride_f, stride_b, stride_g, stride_out, stride_cs, stride_cc, stride_rs,
     H, q_scale, lower_bound, eps,
     T: tl.constexpr, TP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     W: tl.constexpr, NCP: tl.constexpr, KEEP: tl.constexpr, HAS_LB: tl.constexpr,
-    RF: tl.constexpr, RG: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr,
+    RF: tl.constexpr, RG: tl.constexpr, RC_F: tl.constexpr, RC_G: tl.constexpr,
+    INTERPRETER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     NV: tl.constexpr = V // BV
     r, h, jv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -154,7 +160,7 @@ def kda_decode_kernel(
     rows = row0 + tt
     live = tt < T
     if RF > 0:  # f_a rows: this head's columns of f_b here
-        f = _up(f_ptr, stride_f, fb_ptr, rows, live, h * K + kk, RF, INTERPRETER)
+        f = _up(f_ptr, stride_f, fb_ptr, rows, live, h * K + kk, RF, RC_F, INTERPRETER)
     else:
         f = tl.load(f_ptr + rows[:, None] * stride_f + h * K + kk[None, :], mask=live[:, None],
                     other=0.0).to(tl.float32)  # fmt: skip
@@ -165,6 +171,11 @@ def kda_decode_kernel(
         decay = tl.exp(-a * tl.where(f > 20.0, f, tl.log(1.0 + tl.exp(tl.minimum(f, 20.0)))))
     beta = torch_sigmoid(tl.load(b_ptr + rows * stride_b + h, mask=live, other=0.0).to(tl.float32),
                          INTERPRETER)  # fmt: skip
+    if NV > 1 and RG > 0:  # a split head: each slice projects its own gate columns now, in
+        # parallel, rather than the head's last CTA all V of them after everyone
+        g_slice = _up(gate_ptr, stride_g, gb_ptr, rows, live, h * V + vv, RG, RC_G, INTERPRETER)
+        tl.store(gbuf_ptr + rows[:, None] * (H * V) + h * V + vv[None, :], g_slice,
+                 mask=live[:, None])  # fmt: skip
 
     o_all = tl.zeros([TP, BV], tl.float32)
     for t in tl.static_range(T):
@@ -186,7 +197,7 @@ def kda_decode_kernel(
     at = conv_row + dst[:, None] * stride_cc
     keep_cols = cols[:, None] < n_cols
     if NV == 1:  # the whole head here: the norm from registers, no hand-off
-        gate = _gate(gate_ptr, gb_ptr, rows, live, h * V + vv, stride_g, RG, INTERPRETER)
+        gate = _gate(gate_ptr, gb_ptr, rows, live, h * V + vv, stride_g, RG, RC_G, INTERPRETER)
         norm_w = tl.load(norm_w_ptr + vv).to(tl.float32)
         rms = tl.sqrt_rn(tl.sum(o_all * o_all, axis=1) / V + eps)
         y = norm_w[None, :] * (o_all / rms[:, None]) * torch_sigmoid(gate, INTERPRETER)
@@ -197,18 +208,19 @@ def kda_decode_kernel(
         tl.store(at + cv[None, :], new_v, mask=keep_cols & (cv[None, :] >= 0))
     else:
         _hand_off(o_all, out_at, vv, live, rows, h, jv, r, at, keep_cols, cq, ck, cv, new_q,
-                  new_k, new_v, part_ptr, count_ptr, gate_ptr, gb_ptr, norm_w_ptr, stride_g, H,
+                  new_k, new_v, part_ptr, count_ptr, gate_ptr, gbuf_ptr, norm_w_ptr, stride_g, H,
                   eps, TP, V, NV, RG, INTERPRETER)  # fmt: skip
 
 
 @triton.jit
 def _hand_off(o_all, out_at, vv, live, rows, h, jv, r, at, keep_cols, cq, ck, cv, new_q, new_k,
-              new_v, part_ptr, count_ptr, gate_ptr, gb_ptr, norm_w_ptr, stride_g, H, eps,
+              new_v, part_ptr, count_ptr, gate_ptr, gbuf_ptr, norm_w_ptr, stride_g, H, eps,
               TP: tl.constexpr, V: tl.constexpr, NV: tl.constexpr, RG: tl.constexpr,
               INTERPRETER: tl.constexpr):  # fmt: skip
     """A head split over NV CTAs: o (BF16) and the slice's sum of squares out, this CTA's v
     conv channels (only it reads them); the head's last CTA to arrive applies the gated
-    RMSNorm over all V and stores the q / k conv channels every slice has read by then."""
+    RMSNorm over all V (the gate loaded, or the slices' projections from gbuf: RG > 0) and
+    stores the q / k conv channels every slice has read by then."""
     tl.store(out_at + vv[None, :], narrow(o_all, tl.bfloat16, INTERPRETER), mask=live[:, None])
     part_at = part_ptr + (rows * H + h) * NV
     tl.store(part_at + jv, tl.sum(o_all * o_all, axis=1), mask=live)
@@ -227,7 +239,11 @@ def _hand_off(o_all, out_at, vv, live, rows, h, jv, r, at, keep_cols, cq, ck, cv
         va = tl.arange(0, V)
         o_full = tl.load(out_at + va[None, :], mask=live[:, None], other=0.0,
                          cache_modifier=".cg").to(tl.float32)  # fmt: skip
-        gate = _gate(gate_ptr, gb_ptr, rows, live, h * V + va, stride_g, RG, INTERPRETER)
+        if RG > 0:
+            gate = tl.load(gbuf_ptr + rows[:, None] * (H * V) + h * V + va[None, :],
+                           mask=live[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
+        else:
+            gate = _gate(gate_ptr, gate_ptr, rows, live, h * V + va, stride_g, 0, 8, INTERPRETER)
         norm_w = tl.load(norm_w_ptr + va).to(tl.float32)
         y = norm_w[None, :] * (o_full / tl.sqrt_rn(ss / V + eps)[:, None])
         y = y * torch_sigmoid(gate, INTERPRETER)
