@@ -194,6 +194,51 @@ def case(op, vk, w, heads, r, q, bw, gen, sweep_tiles=()) -> dict:
             "tile": op.plan(r, q), "tiles_us": sweep}  # fmt: skip
 
 
+def gates_case(op, op_gates, vk, w, heads, r, q, bw, gen) -> dict:
+    """The gates' low-rank up-projections (f_b [H*K, RF], g_b [H*V, RG] of `op_gates`) and the
+    core, three ways: inside our kernel (the `fused_gates` choice: one launch), two cuBLAS
+    GEMMs then our kernel (`fused`), the same GEMMs then vLLM's ops (the stock step's KDA).
+    Every path on the same f_a / g_a rows, checked against the reference on the GEMMs'
+    BF16 outputs first."""
+    fb, gb = op_gates.f_b, op_gates.g_b
+    per_call = step_bytes(heads, r, q) + fb.nbytes + gb.nbytes
+    copies = max(2, min(64, math.ceil(2 * L2_BYTES / per_call)))
+    c, slots = heads * (2 * K + V), 1 + copies * r * q
+    conv = torch.randn(slots, W - 2 + q, c, generator=gen, device="cuda").bfloat16()
+    rec = 0.1 * torch.randn(slots, heads, V, K, generator=gen, device="cuda")
+    steps = []
+    for i in range(copies):
+        x, place, vllm = step_inputs(heads, r, q, 1 + i * r * q, gen)
+        halves = torch.randn(r, q, fb.shape[1] + gb.shape[1], generator=gen, device="cuda")
+        f_a, g_a = halves.bfloat16().split([fb.shape[1], gb.shape[1]], dim=-1)
+        steps.append(((x[0], f_a, x[2], g_a), place, {**vllm, "qkv": vllm["qkv"].clone()}))
+
+    def up(x):  # the split choices' GEMMs: cuBLAS, BF16 out
+        return (x[0], x[1] @ fb.T, x[2], x[3] @ gb.T)
+
+    caches = {name: (conv.clone(), rec.clone()) for name in ("ref", "gates", "split", "glm")}
+    paths = {
+        "gates": [lambda s=s: op_gates(*s[0], *caches["gates"], **s[1]) for s in steps],
+        "split": [lambda s=s: op(*up(s[0]), *caches["split"], **s[1]) for s in steps],
+        "glm": [lambda s=s: glm_step(vk, w, heads, up(s[0]), s[2], *caches["glm"])
+                for s in steps],
+    }  # fmt: skip
+    want = kda_decode_ref(*up(steps[0][0]), *caches["ref"], **w, **steps[0][1])
+    errors = {}
+    for name, fns in paths.items():
+        got = fns[0]()
+        errors[name] = {
+            "out": ((got.float() - want.float()).abs().max() / want.float().abs().max()).item(),
+            "state": (caches[name][1] - caches["ref"][1]).abs().max().item(),
+        }
+    us = {name: graph_calls_us(fns) for name, fns in paths.items()}
+    return {"heads": heads, "requests": r, "q": q, "rank": fb.shape[1],
+            "gates_us": us["gates"], "split_us": us["split"], "glm_split_us": us["glm"],
+            "floor_us": per_call / bw * 1e6,
+            "launches": {n: call_launches(f[0]) for n, f in paths.items()},
+            "copies": copies, "errors": errors, "tile": op_gates.plan(r, q)}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--heads", default="16,64")
@@ -201,6 +246,9 @@ def main() -> None:
     parser.add_argument("--q", default="1,2,4")
     parser.add_argument("--sweep", action="store_true", help="time every (BV, warps) tile too")
     parser.add_argument("--vllm-ops", help="folder of vLLM 0.33's files (vllm_files.py)")
+    parser.add_argument("--gates", type=int, default=0, metavar="RANK",
+                        help="instead: the gates' up-projections of this rank (GLM-5.3-Flash: "
+                        "128) in our kernel vs cuBLAS GEMMs before ours / vLLM's ops")  # fmt: skip
     result_args(parser)
     args = parser.parse_args()
     if args.table:
@@ -224,8 +272,18 @@ def main() -> None:
         w = weights(heads, gen)
         op = KdaDecode(**w, max_tokens=8)
         op.prepare()
+        if args.gates:
+            lr = [torch.randn(n, args.gates, generator=gen, device="cuda") * args.gates**-0.5
+                  for n in (heads * K, heads * V)]  # fmt: skip
+            op_gates = KdaDecode(**w, max_tokens=8, f_b=lr[0].bfloat16(), g_b=lr[1].bfloat16())
+            op_gates.prepare()
         for q in (int(x) for x in args.q.split(",")):
             for r in (int(x) for x in args.requests.split(",")):
+                if args.gates:
+                    rows.append(gates_case(op, op_gates, vk, w, heads, r, q, bw, gen))
+                    save()
+                    print(json.dumps(rows[-1]))
+                    continue
                 row = case(op, vk, w, heads, r, q, bw, gen, SWEEP if args.sweep else ())
                 rows.append(row)
                 save()
@@ -250,6 +308,8 @@ def table(path: str) -> str:
     stock a run did not time; files before the GLM path timed Kimi's only)."""
     with open(path) as f:
         result = json.load(f)
+    if result["rows"] and "gates_us" in result["rows"][0]:
+        return gates_table(result)
     out = [
         f"{result['gpu']}, {result['date']}, commit {result['commit']}: `{result['command']}`",
         "",
@@ -267,6 +327,26 @@ def table(path: str) -> str:
             f"{r['fla_us']:.1f} | {r['launches']} / {_cell(r, 'glm_launches', 0)} / "
             f"{r['fla_launches']} | {_cell(r, 'glm_us', 2, tiles[best], '×')} | "
             f"{r['fla_us'] / tiles[best]:.2f}× |"
+        )
+    return "\n".join(out)
+
+
+def gates_table(result: dict) -> str:
+    """The `--gates` run's table: µs per call of each path, launches, and over ours."""
+    out = [
+        f"{result['gpu']}, {result['date']}, commit {result['commit']}: `{result['command']}`",
+        "",
+        "| heads | requests | q | gates in our kernel µs (× floor) | cuBLAS + ours µs | "
+        "cuBLAS + vLLM µs | launches | (cuBLAS + ours) / gates | (cuBLAS + vLLM) / gates |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in result["rows"]:
+        n = r["launches"]
+        out.append(
+            f"| {r['heads']} | {r['requests']} | {r['q']} | {r['gates_us']:.1f} "
+            f"({r['gates_us'] / r['floor_us']:.1f}×) | {r['split_us']:.1f} | "
+            f"{r['glm_split_us']:.1f} | {n['gates']} / {n['split']} / {n['glm']} | "
+            f"{r['split_us'] / r['gates_us']:.2f}× | {r['glm_split_us'] / r['gates_us']:.2f}× |"
         )
     return "\n".join(out)
 
