@@ -268,15 +268,18 @@ def main() -> None:
         }  # fmt: skip
         write_result(args.out, result)
 
+    most = max(int(x) for x in args.requests.split(",")) * max(int(x) for x in args.q.split(","))
     for heads in (int(h) for h in args.heads.split(",")):
         w = weights(heads, gen)
         op = KdaDecode(**w, max_tokens=8)
-        op.prepare()
+        # Compiled for the largest step timed only: each step size compiles every tile and
+        # token count up to it (minutes for 64 requests, twice with --gates).
+        op.prepare([most])
         if args.gates:
             lr = [torch.randn(n, args.gates, generator=gen, device="cuda") * args.gates**-0.5
                   for n in (heads * K, heads * V)]  # fmt: skip
             op_gates = KdaDecode(**w, max_tokens=8, f_b=lr[0].bfloat16(), g_b=lr[1].bfloat16())
-            op_gates.prepare()
+            op_gates.prepare([most])
         for q in (int(x) for x in args.q.split(",")):
             for r in (int(x) for x in args.requests.split(",")):
                 if args.gates:
