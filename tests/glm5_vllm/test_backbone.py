@@ -248,20 +248,23 @@ def test_unreduced_leaves_every_sublayer_output_tp_partial(built, monkeypatch):
 
 
 def test_kda_route_runs_the_fused_step_on_vllms_caches(built, monkeypatch):
-    """The fused KDA stage inside vLLM's KDA layer (seam 5): the layer's small weights by HF
-    name, `Backbone.kda` from its modules; routed, a uniform verify and a plain decode under
-    vLLM's forward context (the decode padded, as a graph's step) run vLLM's projections,
+    """The fused KDA stage in vLLM's KDA layer (seam 5): the layer's small weights by HF
+    name, `Backbone.kda` from its modules; routed, the backbone's `attention` of a uniform
+    verify and of a plain decode (padded, as a graph's step) runs vLLM's projections,
     `KdaDecode` (Triton interpreter) on the layer's own conv / recurrent caches at the
-    placement of vLLM's GDN metadata, and o_proj — equal to the reference step
-    (`kda_decode_ref`) over the checkpoint's weights; a prefill runs vLLM's own forward;
+    placement of the step's GDN metadata, and o_proj — equal to the reference step
+    (`kda_decode_ref`) over the checkpoint's weights — with no forward of vLLM's shadowed;
+    the step's placement is derived once for all its KDA layers; a prefill runs vLLM's own
+    forward;
     unrouted, the class's forward is back."""
     import torch.nn.functional as F
     from test_metadata import _gdn
-    from vllm.config import CUDAGraphMode, set_current_vllm_config
-    from vllm.forward_context import create_forward_context, override_forward_context
+    from vllm.config import set_current_vllm_config
 
+    import glm5_vllm.kda as kda_module
     from glm5_kernels.kda import KdaDecode, kda_decode_ref
     from glm5_runtime.reference.backbone import ReferenceBackbone
+    from glm5_vllm.backbone import VllmStep
 
     model, vllm_config, reference, sd = built
     b = _backbone(built)
@@ -307,46 +310,53 @@ def test_kda_route_runs_the_fused_step_on_vllms_caches(built, monkeypatch):
                            lower_bound=b.kda.lower_bound, eps=b.kda.eps)  # fmt: skip
         return lin(o.reshape(r * t, -1), "o_proj")
 
+    def step(md, rows):  # what glm5_vllm.models builds once a forward
+        return VllmStep(torch.zeros(rows, dtype=torch.long), None, {attn.prefix: md})
+
     with set_current_vllm_config(vllm_config), torch.no_grad():
         b.route(0, f"{p}.kda", op)
-        assert "forward" in vars(attn)
+        assert "forward" not in vars(attn)  # the backbone runs the layer: nothing shadowed
         for md, padding in ((verify, 0), (decode, 1)):  # the decode padded to 4 rows
             n = md.num_actual_tokens
             x = torch.randn(n + padding, g.hidden_size, generator=gen).bfloat16()
             caches = (conv.clone(), rec.clone())
             want = reference_step(x[:n], md, caches)
-            context = create_forward_context({attn.prefix: md}, vllm_config,
-                                             cudagraph_runtime_mode=CUDAGraphMode.FULL)  # fmt: skip
-            with override_forward_context(context):
-                got = attn(x, None)
+            got = b.attention(0, i, x, step(md, n + padding))
             assert got.shape[0] == n + padding and got.isfinite().all()
             assert _rel(got[:n], want) < 2**-7, md.num_spec_decodes
             assert _rel(conv, caches[0]) < 2**-8 and _rel(rec, caches[1]) < 2**-8
-        # The step's placement is computed once for all its KDA layers (one metadata object).
-        import glm5_vllm.kda as kda_module
-
+        # The step's placement is derived once for all its KDA layers (one metadata object).
+        j = 2
+        second = model.model.layers[j].self_attn
+        assert model.model.layers[j].layer_kind == "kda"
+        monkeypatch.setattr(second, "kv_cache", (conv.clone(), rec.clone()), raising=False)
+        b.route(0, f"layers.{j}.self_attn.kda", op)  # its weights are layer i's: counted only
         placed = []
-        monkeypatch.setattr(kda_module, "kda_placement", lambda md: placed.append(md) or "p")
-        monkeypatch.setattr(kda_module, "_placed", [None, None])
-        second = model.model.layers[2].self_attn
-        with override_forward_context(create_forward_context(
-                {attn.prefix: decode, second.prefix: decode}, vllm_config)):  # fmt: skip
-            assert kda_module._step(attn) == kda_module._step(second) == "p"
+        real = kda_module.kda_placement
+        monkeypatch.setattr(kda_module, "kda_placement", lambda md: placed.append(md) or real(md))
+        shared = VllmStep(torch.zeros(4, dtype=torch.long), None,
+                          {attn.prefix: decode, second.prefix: decode})  # fmt: skip
+        x = torch.randn(4, g.hidden_size, generator=gen).bfloat16()
+        for layer in (i, j):
+            assert b.attention(0, layer, x, shared).isfinite().all()
         assert placed == [decode]
-        monkeypatch.undo()  # the real placement again for the rest of the test
-        monkeypatch.setattr(attn, "kv_cache", (conv, rec), raising=False)
+        assert b.attention(0, i, x, step(decode, 4)).isfinite().all()  # a new step: again
+        assert placed == [decode, decode]
+        b.route(0, f"layers.{j}.self_attn.kda", None)
         # A prefill: vLLM's own forward (recorded here; its kernels are GPU-only).
-        b.route(0, f"{p}.kda", None)
         called = []
-        monkeypatch.setattr(type(attn), "forward", lambda self, x, pos: called.append(x) or x)
-        b.route(0, f"{p}.kda", op)
+
+        def stock(self, hidden_states, positions):
+            called.append(1)
+            return hidden_states
+
+        monkeypatch.setattr(type(attn), "forward", stock)
         prefill = _gdn(prefills=1, prefill_tokens=2)
-        with override_forward_context(create_forward_context({attn.prefix: prefill},
-                                                             vllm_config)):  # fmt: skip
-            attn(x[:2], None)
-        assert len(called) == 1
+        b.attention(0, i, x[:2], step(prefill, 2))
+        assert called == [1]
         b.route(0, f"{p}.kda", None)
-        assert "forward" not in vars(attn)
+        b.attention(0, i, x[:2], step(decode, 2))  # unrouted: vLLM's forward whatever the step
+        assert called == [1, 1] and "forward" not in vars(attn)
 
 
 def test_dsa_attn_route_runs_the_sparse_stage_in_vllms_mla_layer(built, monkeypatch):
@@ -458,10 +468,11 @@ def test_indexer_routes_run_the_pool_write_and_selection_in_vllms_indexer(built,
     projections, the padding request writing nothing, and the top-k buffer's rows
     `index_topk_ref`'s selection (-1 past its columns); the same with the input route (one
     FP32 projection of vLLM's wk | weights_proj rows and the gate, the key norm inside the
-    write); a prefill runs vLLM's forward; one op alone installs nothing."""
+    write), each at the placement of the step the backbone hands it (`stepping`), derived
+    once for all the step's indexers; a prefill, or a call outside a step, runs vLLM's
+    forward; one op alone installs nothing."""
     import torch.nn.functional as F
     from vllm.config import set_current_vllm_config
-    from vllm.forward_context import create_forward_context, override_forward_context
     from vllm.v1.attention.backends.mla.indexer import (
         DeepSeekV32IndexerDecodeMetadata,
         DeepseekV32IndexerMetadata,
@@ -477,6 +488,7 @@ def test_indexer_routes_run_the_pool_write_and_selection_in_vllms_indexer(built,
         unpack_kpool_pages_ref,
     )
     from glm5_runtime.protocol import Indexer
+    from glm5_vllm.backbone import VllmStep
 
     model, vllm_config, reference, sd = built
     g = reference.g
@@ -544,7 +556,7 @@ def test_indexer_routes_run_the_pool_write_and_selection_in_vllms_indexer(built,
             b.route(0, f"{p}.topk", select)
             assert "forward" in vars(indexer)
             buffer[: n + 1] = 12345
-            with override_forward_context(create_forward_context(metadata(0), vllm_config)):
+            with b.stepping(VllmStep(positions, None, metadata(0))):
                 indexer(x, qr, torch.cat([positions, positions[:1]]), None)
             # The reference from the checkpoint's weights.
             w = {k: sd[f"{p}.{k}"].float() for k in ("wq_b.weight", "wk.weight",
@@ -601,32 +613,38 @@ def test_indexer_routes_run_the_pool_write_and_selection_in_vllms_indexer(built,
             tail.copy_(tail_before)
             pages.copy_(pages_before)
             buffer[: n + 1] = 12345
-            with override_forward_context(create_forward_context(metadata(0), vllm_config)):
+            with b.stepping(VllmStep(positions, None, metadata(0))):
                 indexer(x, qr, torch.cat([positions, positions[:1]]), None)
             check()
             b.route(0, f"{p}.inputs", None)
             assert "forward" not in vars(indexer)
             b.route(0, f"{p}.kpool", kpool)
-            # The step's placement is computed once for all its indexers (shared metadata).
+            # The step's placement is derived once for all its indexers (shared metadata),
+            # again for the next step; outside a step the forward is vLLM's.
             import glm5_vllm.indexer as indexer_module
 
             second = indexers[1]
             md, tail_md = metadata(0).values()
             shared = {indexer.k_cache.prefix: md, indexer.tail_cache.prefix: tail_md,
                       second.k_cache.prefix: md, second.tail_cache.prefix: tail_md}  # fmt: skip
-            with override_forward_context(create_forward_context(shared, vllm_config)):
-                places = [indexer_module._placement(m, positions, kpool, select, None)
-                          for m in (indexer, second)]  # fmt: skip
+            step = VllmStep(positions, None, shared)
+            places = [indexer_module._placement(m, step, positions, kpool, select, None)
+                      for m in (indexer, second)]  # fmt: skip
             assert places[0] is not None and places[0] is places[1]
+            again = indexer_module._placement(indexer, VllmStep(positions, None, shared),
+                                              positions, kpool, select, None)  # fmt: skip
+            assert again is not places[0] and torch.equal(again.tail_rows, places[0].tail_rows)
+            assert indexer_module._placement(indexer, None, positions, kpool, select, None) is None
             # A prefill in the step: vLLM's own forward (recorded: its kernels are GPU-only).
             b.route(0, f"{p}.topk", None)
             assert "forward" not in vars(indexer)
             called = []
             monkeypatch.setattr(type(indexer), "forward", lambda self, *a: called.append(a))
             b.route(0, f"{p}.topk", select)
-            with override_forward_context(create_forward_context(metadata(1), vllm_config)):
+            with b.stepping(VllmStep(positions, None, metadata(1))):
                 indexer(x, qr, positions, None)
-            assert len(called) == 1
+            indexer(x, qr, positions, None)  # outside a step
+            assert len(called) == 2
             for kind in ("kpool", "topk"):
                 b.route(0, f"{p}.{kind}", None)
             assert "forward" not in vars(indexer)

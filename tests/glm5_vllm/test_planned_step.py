@@ -297,7 +297,7 @@ def test_a_planned_step_over_vllms_modules_equals_the_reference_backbones(
     from glm5_runtime.decode import SpecializedDecode
     from glm5_runtime.reference.backbone import ReferenceBackbone
     from glm5_vllm.backbone import VllmStep
-    from glm5_vllm.metadata import step_context
+    from glm5_vllm.metadata import attention_metadata, step_context
 
     model, vllm_config, reference, _ = built
     g = reference.g
@@ -347,7 +347,7 @@ def test_a_planned_step_over_vllms_modules_equals_the_reference_backbones(
     with set_current_vllm_config(vllm_config), torch.no_grad():
         with override_forward_context(context):
             seen = dataclasses.replace(step_context(n), capturing=True)  # nothing captures here
-            placement = VllmStep(step.positions.reshape(-1), seen)
+            placement = VllmStep(step.positions.reshape(-1), seen, attention_metadata())
             h_vllm = decode.forward(tokens.reshape(-1), placement, stock, capturing=True)
         model.glm5_specialized, model._glm5_prepared = decode, True
         try:

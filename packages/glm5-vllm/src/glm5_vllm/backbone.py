@@ -19,19 +19,20 @@ A route makes a module's forward run a stage op (an instance attribute that shad
 class's forward; removing it restores vLLM's): a whole linear (all-reduced when the module
 is row-parallel and reduces), one part of a fused linear (the other parts keep vLLM's
 weights), the MoE gate (cast to the gate's output dtype), or an MLP block. The KDA route
-(`layers.{i}.self_attn.kda`) shadows the KDA layer's forward (`kda.kda_forward`); the
-sparse MLA route (`layers.{i}.self_attn.dsa_attn`) the MLA attention's decode core
-(`mla.install_sparse_mla`); the indexer routes (`layers.{i}.self_attn.indexer.kpool` and
-`.topk`, both needed, and `.inputs` where the pool write takes its sums) the indexer's
-forward (`indexer.install_indexer`).
+(`layers.{i}.self_attn.kda`) is held by the backbone, whose `attention` then runs that
+layer as `kda.kda_attention` (vLLM's projections, the stage at the step's placement,
+o_proj; no forward shadowed); the sparse MLA route (`layers.{i}.self_attn.dsa_attn`)
+shadows the MLA attention's decode core (`mla.install_sparse_mla`); the indexer routes
+(`layers.{i}.self_attn.indexer.kpool` and `.topk`, both needed, and `.inputs` where the
+pool write takes its sums) the indexer's forward (`indexer.install_indexer`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,7 +44,7 @@ from glm5_runtime.plan import Rows, StepContext
 from glm5_runtime.protocol import Layer, Routing
 
 from .indexer import indexer_constants, install_indexer
-from .kda import KDA_CONV, KDA_WEIGHTS, kda_constants, kda_forward
+from .kda import KDA_CONV, KDA_WEIGHTS, kda_attention, kda_constants
 from .layouts import Layout, expert_layout, linear_layout
 from .mla import install_sparse_mla, mla_constants, uninstall_sparse_mla
 
@@ -80,13 +81,28 @@ FUSED_ATTENTION = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass
 class VllmStep:
-    """The placement of one vLLM forward: its positions and the routing decision's view of
-    vLLM's forward context (token count, per-layer metadata as row counts)."""
+    """One vLLM forward's placement, built once a step (glm5_vllm.models) and handed to every
+    layer: its positions, the routing decision's view of vLLM's forward context (token
+    count, per-layer metadata as row counts) and vLLM's per-layer attention metadata (by
+    layer prefix; empty outside a forward context). The stages' neutral placements are
+    derived from the metadata once a step (`once`): a step's KDA layers share one metadata
+    object, and so do its indexers."""
 
     positions: Tensor
     context: StepContext
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    _derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def once(self, kind: str, sources: tuple, derive: Callable[[], Any]) -> Any:
+        """derive(), computed once a step for each kind and identity of `sources` (the
+        metadata objects it reads: held here, so no other takes one's identity while the
+        step lives)."""
+        key = (kind, *map(id, sources))
+        if key not in self._derived:
+            self._derived[key] = (sources, derive())
+        return self._derived[key][1]
 
 
 class VllmBackbone:
@@ -119,6 +135,11 @@ class VllmBackbone:
         self.mhc = _mhc(config, [self.decoder.layers[x.index] for x in self.layers],
                         getattr(self.decoder, "norm", None))  # fmt: skip
         self._routes: dict[nn.Module, dict[int | None, Any]] = {}
+        self._kda_ops: dict[int, Any] = {}  # layer -> its fused KDA stage (route `.kda`)
+        self._indexer_ops: dict[nn.Module, dict[str, Any]] = {}  # an indexer -> its stages
+        # The step whose attention runs (`stepping`): the stages inside vLLM's modules (the
+        # indexer's) read its placement; None between layers.
+        self._step: VllmStep | None = None
         # Layouts no stage reads -> the modules (vLLM names) whose weights were asked for.
         self.refused: dict[Layout, list[str]] = {}
 
@@ -271,7 +292,21 @@ class VllmBackbone:
         return self.decoder.norm(hc_contract(streams, self._hc))
 
     def attention(self, shard: int, layer: int, x: Tensor, placement: VllmStep) -> Tensor:
-        return self.decoder.layers[layer].self_attn(hidden_states=x, positions=placement.positions)
+        module = self.decoder.layers[layer].self_attn
+        kda = self._kda_ops.get(layer)
+        if kda is not None:  # vLLM's projections and o_proj around the fused KDA step
+            return kda_attention(module, kda, x, placement)
+        with self.stepping(placement):
+            return module(hidden_states=x, positions=placement.positions)
+
+    @contextmanager
+    def stepping(self, placement: VllmStep) -> Iterator[None]:
+        """Inside it, the stages installed in vLLM's modules run at `placement`."""
+        self._step = placement
+        try:
+            yield
+        finally:
+            self._step = None
 
     def mlp(self, shard: int, layer: int, x: Tensor) -> Tensor:
         return self.decoder.layers[layer].mlp(x)
@@ -363,7 +398,10 @@ class VllmBackbone:
             module = self._module(path)
             if module is None:
                 raise KeyError(f"glm5-vllm: no vLLM module {path}")
-            install_indexer(module, kind, op)  # runs once all it needs are set (indexer.py)
+            ops = self._indexer_ops.setdefault(module, {})
+            install_indexer(module, ops, kind, op, lambda: self._step)  # once all it needs
+            if not ops:  # are set (indexer.py)
+                del self._indexer_ops[module]
             return
         if name.endswith(".self_attn.dsa_attn"):  # the MLA layer's attention core (mla.py)
             index = int(name.split(".")[1])
@@ -375,14 +413,14 @@ class VllmBackbone:
             else:
                 install_sparse_mla(attention, op, _selected(self.config))
             return
-        if name.endswith(".self_attn.kda"):  # the KDA layer's forward around the fused step
-            module = self._module(name.removesuffix(".kda"))
-            if module is None:
+        if name.endswith(".self_attn.kda"):  # `attention` runs the layer around the stage
+            layer = int(name.split(".")[1])
+            if self._module(name.removesuffix(".kda")) is None:
                 raise KeyError(f"glm5-vllm: no vLLM module {name.removesuffix('.kda')}")
             if op is None:
-                module.__dict__.pop("forward", None)
+                self._kda_ops.pop(layer, None)
             else:
-                module.forward = kda_forward(module, op)
+                self._kda_ops[layer] = op
             return
         if name.endswith(".weight"):
             found = self._locate(name)
@@ -459,7 +497,8 @@ class VllmDraftBackbone(VllmBackbone):
 
     def attention(self, shard: int, layer: int, x: Tensor, placement: VllmStep) -> Tensor:
         block = self._mtp[layer].mtp_block
-        return block.self_attn(hidden_states=x, positions=placement.positions)
+        with self.stepping(placement):
+            return block.self_attn(hidden_states=x, positions=placement.positions)
 
     def mlp(self, shard: int, layer: int, x: Tensor) -> Tensor:
         return self._mtp[layer].mtp_block.mlp(x)

@@ -20,11 +20,14 @@ Placement from vLLM's metadata: the pool pages' block table is the indexer metad
 block table; a request's ring row is its tail-cache slot // ring (the tail metadata holds
 slots, not a block table), -1 for padding and dummy requests, which then write nothing; the
 head weights are hidden . weights_proj in FP32 before vLLM folds the query scales into them
-(`IndexerTopk` folds its own). Any other step runs vLLM's forward.
+(`IndexerTopk` folds its own). The placement is the step's (`VllmStep`, which the backbone
+hands the indexer while the layer's attention runs), derived once for every indexer of the
+step. Any other step runs vLLM's forward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,27 +88,23 @@ def _pages(m: nn.Module) -> Tensor | None:
     return pages if isinstance(pages, Tensor) and pages.dim() == 3 else None
 
 
-# The ops each routed indexer holds: {"kpool": KpoolWrite, "topk": IndexerTopk, "inputs":
-# Projection (where the pool write takes its sums)}.
-_ops: dict[nn.Module, dict[str, Any]] = {}
-
-
-def install_indexer(module: nn.Module, kind: str, op: Any | None) -> None:
-    """Set (op) or clear (None) one of the indexer's stage ops; its forward runs the stages
-    while the pool write and the selection are set (and the input projection, where the
-    write norms the key from its sums), vLLM's own otherwise."""
-    ops = _ops.setdefault(module, {})
+def install_indexer(module: nn.Module, ops: dict[str, Any], kind: str, op: Any | None,
+                    step: Callable[[], Any]) -> None:  # fmt: skip
+    """Set (op) or clear (None) one of the indexer's stage ops in `ops` (the ops the backbone
+    holds for this indexer: "kpool" KpoolWrite, "topk" IndexerTopk, "inputs" Projection
+    where the pool write takes its sums); its forward runs the stages while the pool write
+    and the selection are set (and the input projection, where the write norms the key from
+    its sums), at the placement of `step()` (the `VllmStep` whose attention runs now, None
+    outside one: vLLM's forward), and vLLM's own forward otherwise."""
     if op is None:
         ops.pop(kind, None)
     else:
         ops[kind] = op
     kpool, inputs = ops.get("kpool"), ops.get("inputs")
     if kpool is not None and "topk" in ops and (kpool.key_norm is None) == (inputs is None):
-        module.forward = _forward(module, kpool, ops["topk"], inputs)
+        module.forward = _forward(module, kpool, ops["topk"], inputs, step)
     else:
         module.__dict__.pop("forward", None)
-        if not ops:
-            del _ops[module]
 
 
 @dataclass
@@ -118,12 +117,12 @@ class _Placement:
     request: Tensor  # [R * T] each row's request
 
 
-def _forward(module: nn.Module, kpool: Any, topk: Any, inputs: Any | None):
+def _forward(module: nn.Module, kpool: Any, topk: Any, inputs: Any | None, step):
     stock = type(module).forward.__get__(module)
     h, hd, width = module.n_head, module.head_dim, topk.width
 
     def forward(hidden_states: Tensor, qr: Tensor, positions: Tensor, rotary_emb=None):
-        place = _placement(module, positions, kpool, topk, inputs)
+        place = _placement(module, step(), positions, kpool, topk, inputs)
         if place is None:
             return stock(hidden_states, qr, positions, rotary_emb)
         r, t = place.positions.shape
@@ -162,18 +161,15 @@ def _stock_inputs(module: nn.Module, x: Tensor, r: int, t: int):
     return k, gate, weights
 
 
-def _placement(module: nn.Module, positions: Tensor, kpool: Any, topk: Any, inputs: Any):
-    """This step's placement from vLLM's forward context: None unless every row is a
-    decode of one length, the ops serve its rows and the pages have the op's blocks."""
-    from vllm.forward_context import get_forward_context, is_forward_context_available
-
-    if not is_forward_context_available():
+def _placement(module: nn.Module, step: Any, positions: Tensor, kpool: Any, topk: Any,
+               inputs: Any):  # fmt: skip
+    """The placement of `step` (a `VllmStep`; None: none) for this indexer: None unless every
+    row is a decode of one length, the ops serve its rows and the pages have the op's
+    blocks. Derived once a step: the step's indexers share their metadata."""
+    if step is None:
         return None
-    by_layer = get_forward_context().attn_metadata
-    if not isinstance(by_layer, dict):
-        return None
-    md = by_layer.get(module.k_cache.prefix)
-    tail_md = by_layer.get(module.tail_cache.prefix)
+    md = step.metadata.get(module.k_cache.prefix)
+    tail_md = step.metadata.get(module.tail_cache.prefix)
     decode = getattr(md, "decode", None)
     if md is None or tail_md is None or decode is None or md.num_prefills != 0:
         return None
@@ -186,18 +182,13 @@ def _placement(module: nn.Module, positions: Tensor, kpool: Any, topk: Any, inpu
     served = kpool.supports(n) and topk.supports(n) and (inputs is None or inputs.supports(n))
     if not served or positions.shape[0] < n:
         return None
-    key = (md, tail_md, positions, tail.shape[2])
-    if _placed[0] is None or any(a is not b for a, b in zip(_placed[0], key, strict=True)):
-        # The step's indexers share their metadata: placed once a step (held, so no later
-        # object can take a placed one's identity).
-        _placed[:] = [key, _place(decode, tail_md, positions, r, n // r, tail.shape[2])]
-        buffer = module.topk_indices_buffer  # model-wide: its columns past the selection's
+    buffer = module.topk_indices_buffer  # model-wide: its columns past the selection's
+
+    def place():
         buffer[:n, topk.width :] = -1  # -1 once a step (vLLM's own backend reads whole rows)
-    return _placed[1]
+        return _place(decode, tail_md, positions, r, n // r, tail.shape[2])
 
-
-# The last (metadata, tail metadata, positions, ring) placed and its placement.
-_placed: list = [None, None]
+    return step.once(f"indexer ring {tail.shape[2]}", (md, tail_md, positions), place)
 
 
 def _place(decode: Any, tail_md: Any, positions: Tensor, r: int, t: int, ring: int):

@@ -1,8 +1,9 @@
 """The fused KDA stage inside vLLM's KDA layer (`Glm5NextLinearAttention`): the stage's
 constants from the layers (`kda_constants`: `Backbone.kda`), the small weights' HF names, and
-the layer forward the route `layers.{i}.self_attn.kda` installs (`kda_forward`): vLLM's
-projections, the fused step on the layer's own caches at the placement of its GDN metadata,
-o_proj — or vLLM's forward for a step that placement does not cover."""
+the layer the backbone runs where the route `layers.{i}.self_attn.kda` is set
+(`kda_attention`): vLLM's projections, the fused step on the layer's own caches at the
+placement of the step's GDN metadata, o_proj — or vLLM's forward for a step that placement
+does not cover."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from glm5_runtime.protocol import Kda
 
 from .metadata import kda_placement
 
-__all__ = ["KDA_CONV", "KDA_WEIGHTS", "kda_constants", "kda_forward"]
+__all__ = ["KDA_CONV", "KDA_WEIGHTS", "kda_attention", "kda_constants"]
 
 # The KDA layer's small weights, by HF name under `self_attn.`, where vLLM keeps them on the
 # layer itself; its conv weight is three modules there (q_conv1d, k_conv1d, v_conv1d).
@@ -41,53 +42,30 @@ def kda_constants(modules: list[nn.Module]) -> Kda | None:
     return Kda(None if lower_bound is None else float(lower_bound), float(eps))
 
 
-def kda_forward(module: nn.Module, op: Any):
-    """A KDA layer's forward with the fused KDA step (conv -> gates -> delta rule -> gated
-    norm) between vLLM's projections (routed as the policy says) and o_proj, for the steps
-    whose GDN metadata is a plain decode or a uniform verify of at most the op's tokens (the
-    placement `metadata.kda_placement` gives); vLLM's own forward for any other step."""
-    stock = type(module).forward.__get__(module)
+def kda_attention(module: nn.Module, op: Any, x: Tensor, step: Any) -> Tensor:
+    """A KDA layer with the fused KDA step (conv -> gates -> delta rule -> gated norm)
+    between vLLM's projections (routed as the policy says) and o_proj, for a step whose GDN
+    metadata is a plain decode or a uniform verify of at most the op's tokens (the placement
+    `metadata.kda_placement` gives, derived once a step from `step`: a `VllmStep`); vLLM's
+    own forward for any other step."""
+    md = step.metadata.get(module.prefix)
+    place = None if md is None else step.once("kda", (md,), lambda: kda_placement(md))
+    if place is None or not op.supports(place.write_slots.shape[1]):
+        return module(hidden_states=x, positions=step.positions)
+    r, t = place.write_slots.shape
+    n, p = r * t, module.local_projection_size
+    h, d = module.local_num_heads, module.head_dim
+    projected = module.in_proj_qkvbfg_a(x)[0]
+    qkv, beta, f_a, g_a = projected.split([3 * p, h, d, d], dim=-1)
+    f, gate = module.f_b_proj(f_a)[0], module.g_b_proj(g_a)[0]
+    out = torch.empty(x.shape[0], h * d, dtype=qkv.dtype, device=qkv.device)
+    if n < out.shape[0]:  # a padded step: finite rows into o_proj past the real ones
+        out[n:].zero_()
+    conv, recurrent = module.kv_cache
 
-    def forward(hidden_states: Tensor, positions: Tensor) -> Tensor:
-        place = _step(module)
-        if place is None or not op.supports(place.write_slots.shape[1]):
-            return stock(hidden_states, positions)
-        r, t = place.write_slots.shape
-        n, p = r * t, module.local_projection_size
-        h, d = module.local_num_heads, module.head_dim
-        projected = module.in_proj_qkvbfg_a(hidden_states)[0]
-        qkv, beta, f_a, g_a = projected.split([3 * p, h, d, d], dim=-1)
-        f, gate = module.f_b_proj(f_a)[0], module.g_b_proj(g_a)[0]
-        out = torch.empty(hidden_states.shape[0], h * d, dtype=qkv.dtype, device=qkv.device)
-        if n < out.shape[0]:  # a padded step: finite rows into o_proj past the real ones
-            out[n:].zero_()
-        conv, recurrent = module.kv_cache
+    def steps(rows: Tensor) -> Tensor:  # [N, width] rows -> [R, T, width], a view
+        return rows[:n].view(r, t, rows.shape[-1])
 
-        def steps(x: Tensor) -> Tensor:  # [N, width] rows -> [R, T, width], a view
-            return x[:n].view(r, t, x.shape[-1])
-
-        op(steps(qkv), steps(f), steps(beta), steps(gate), conv, recurrent, **place.kwargs(),
-           out=steps(out))  # fmt: skip
-        return module.o_proj(out)[0]
-
-    return forward
-
-
-# The last metadata object placed and its placement: a step's KDA layers share one
-# GDNAttentionMetadata, so its placement's few small ops run once a step, not once a layer.
-_placed: list = [None, None]
-
-
-def _step(module: nn.Module):
-    """This step's KDA placement for `module` from vLLM's forward context, None outside one."""
-    from vllm.forward_context import get_forward_context, is_forward_context_available
-
-    if not is_forward_context_available():
-        return None
-    by_layer = get_forward_context().attn_metadata
-    md = by_layer.get(module.prefix) if isinstance(by_layer, dict) else None
-    if md is None:
-        return None
-    if _placed[0] is not md:
-        _placed[:] = [md, kda_placement(md)]
-    return _placed[1]
+    op(steps(qkv), steps(f), steps(beta), steps(gate), conv, recurrent, **place.kwargs(),
+       out=steps(out))  # fmt: skip
+    return module.o_proj(out)[0]

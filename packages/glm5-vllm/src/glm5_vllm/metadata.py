@@ -1,5 +1,6 @@
-"""vLLM's per-layer attention metadata as the runtime's neutral row counts (`Rows`), and a
-step's `StepContext` from vLLM's forward context."""
+"""vLLM's per-layer attention metadata as the runtime's neutral row counts (`Rows`), a
+step's `StepContext` and metadata from vLLM's forward context, and the KDA layers' neutral
+placement from their metadata."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 from glm5_runtime.plan import Rows, StepContext
 from glm5_runtime.protocol import KdaPlacement
 
-__all__ = ["kda_placement", "rows_of", "step_context"]
+__all__ = ["attention_metadata", "kda_placement", "rows_of", "step_context"]
 
 
 def rows_of(md: Any) -> Rows:
@@ -46,6 +47,17 @@ def step_context(
     by_layer = context.attn_metadata
     rows = {n: rows_of(md) for n, md in by_layer.items()} if isinstance(by_layer, dict) else {}
     return StepContext(tokens, capturing, graph, pipeline_input, aux_layers, rows)
+
+
+def attention_metadata() -> dict[str, Any]:
+    """vLLM's per-layer attention metadata of the current forward (by layer prefix); empty
+    outside a forward context or where it is not per layer."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return {}
+    by_layer = get_forward_context().attn_metadata
+    return dict(by_layer) if isinstance(by_layer, dict) else {}
 
 
 def kda_placement(md: Any) -> KdaPlacement | None:
