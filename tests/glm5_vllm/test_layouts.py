@@ -181,7 +181,7 @@ def test_ue8m0_requantized_block_fp8_mlps_are_served(built, fp8_mlps, caplog):
     decode.prepare()
     x = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
     x = x.bfloat16()
-    for mlp in fp8_mlps.values():
+    for i, mlp in fp8_mlps.items():
         up, down = mlp.gate_up_proj, mlp.down_proj
         # vLLM's FP8 GEMMs need a GPU (or AMX); the FP8 reference is their math, over the
         # tensors vLLM holds now, after the re-quantization.
@@ -189,8 +189,9 @@ def test_ue8m0_requantized_block_fp8_mlps_are_served(built, fp8_mlps, caplog):
             x, up.weight, up.weight_scale_inv, down.weight, down.weight_scale_inv,
             model.config.swiglu_limit, decode.backbone.ue8m0,
         )  # fmt: skip
+        layer = next(each for each in decode.layers if each.index == i)
         with torch.no_grad(), decode.installed(2):
-            got = mlp(x)
+            got = decode.mlp(layer, x)  # the layer loop's call: the stage, not vLLM's block
         assert "forward" not in vars(mlp)
         assert _rel(got, want) < 2**-7
 

@@ -1,17 +1,20 @@
 """The specialized decode over a backbone: one routing decision per step (`plan`), then
 every layer's stages in one loop, captured once per token count in a FULL CUDA graph.
 
-Stages come from the policy per stage and token count. Most stand in for a stock op of the
+Stages come from the policy per stage and token count. The whole-MLP stages are sublayers
+the layer loop calls itself (`mlp`; each shard's op on the sublayer's input, the partial
+outputs summed by the backbone's `all_reduce`); the others stand in for a stock op of the
 backbone through its routes (by weight name or module prefix) while a planned step of a
 token count they serve runs, so every op without a stage stays the backbone's own:
+  * `dense_mlp` (`DenseMlp`) and `moe`, whole sublayers: the block-FP8 SwiGLU MLP, and the
+    whole MoE layer (router, routing, routed + shared experts, summed) as one `MoeLayer` in
+    four launches, its experts `MegaExperts` (`per_route`) or `GroupedExperts` (`grouped`)
+    per token count; the `router` and `shared_expert` stages serve only the token counts it
+    does not (where it cannot build, its whole sublayer runs stock);
   * glm5-kernels' skinny GEMMs: `dsa_proj` (the MLA q_a / kv_a / q_b / o_proj and indexer
     wq_b projections; one op over a fused q_a | kv_a weight where the backbone holds one),
     `kda_proj` (KDA q / k / v and o_proj), `router` (the MoE gate, FP32 logits), and the
-    block-FP8 SwiGLU MLPs `shared_expert` (`SharedExpert`) and `dense_mlp` (`DenseMlp`);
-  * `moe`: the whole MoE layer (router, routing, routed + shared experts, summed) as one
-    `MoeLayer` in four launches, its experts `MegaExperts` (`per_route`) or `GroupedExperts`
-    (`grouped`) per token count; the `router` and `shared_expert` stages serve only the
-    token counts it does not (where it cannot build, its whole sublayer runs stock);
+    shared expert's block-FP8 SwiGLU MLP (`shared_expert`: `SharedExpert`);
   * `kda`: each KDA layer's conv -> gates -> delta rule -> gated norm as one `KdaDecode`
     launch between the backbone's projections and o_proj, on the layer's caches and the
     step's neutral placement (route `self_attn.kda`);
@@ -85,8 +88,12 @@ class LayerStages:
         self.backbone, self.policy = backbone, policy
         self.batches = sorted(batches)
         self.layers = list(layers)
-        # token count -> [(shard, stock op name, stage op)], installed while a step runs.
+        # token count -> [(shard, stock op name, stage op)] of that count's steps: installed
+        # in the backbone while a step runs, but for the whole sublayers in `sublayers` (the
+        # MLP stages' `layers.{i}.mlp`), which the layer loop calls itself.
         self.routes: dict[int, list[tuple[int, str, Any]]] = {b: [] for b in self.batches}
+        self.sublayers: set[str] = set()
+        self._serving: dict[tuple[int, str], Any] = {}  # `installed`: the sublayers' ops
         self.ops: list[tuple[Any, list[int]]] = []  # (op, its token counts) to prepare
         self.stage_of: dict[int, str] = {}  # id(op) -> its policy stage
         self._build("dsa_proj", self._projections("mla", DSA_PROJECTIONS))
@@ -97,7 +104,7 @@ class LayerStages:
         self._build("router", self._routers, skip=layer)
         self._build("shared_expert", self._mlps("moe", "mlp.shared_experts", SharedExpert),
                     skip=layer)  # fmt: skip
-        self._build("dense_mlp", self._mlps("dense", "mlp", DenseMlp))
+        self._build("dense_mlp", self._mlps("dense", "mlp", DenseMlp, sublayer=True))
         self._build("moe", self._moe)
         self._build("kda", self._kda, choice=("fused", "fused_gates"))
         self._build("dsa_attn", self._dsa_attn, choice="sparse")
@@ -123,13 +130,17 @@ class LayerStages:
             error = f"{type(e).__name__}: {e}"
             logger.warning("Specialized decode: stage %s runs stock (%s)", stage, error)
 
-    def _add(self, op: Any, tokens: list[int], shard: int | None, name: str | None) -> None:
-        """Register a stage op (routed for `name` of `shard`, unless None)."""
+    def _add(self, op: Any, tokens: list[int], shard: int | None, name: str | None,
+             sublayer: bool = False) -> None:  # fmt: skip
+        """Register a stage op (for `name` of `shard`, unless None: routed, or where
+        `sublayer`, the whole sublayer `name` the layer loop calls it for)."""
         self.ops.append((op, tokens))
         self.stage_of[id(op)] = self._stage
         if name is not None:
             for b in tokens:
                 self.routes[b].append((shard, name, op))
+            if sublayer:
+                self.sublayers.add(name)
 
     def _projections(self, kind: str, names: Sequence[str]):
         # Where the backbone holds projections this stage serves in one fused weight (vLLM),
@@ -157,7 +168,7 @@ class LayerStages:
                 name = f"layers.{layer.index}.mlp.gate.weight"
                 self._add(Router(self.backbone.weight(shard, name)), tokens, shard, name)
 
-    def _mlps(self, kind: str, prefix: str, cls):
+    def _mlps(self, kind: str, prefix: str, cls, sublayer: bool = False):
         def build(tokens: list[int]) -> None:
             for layer in (x for x in self.layers if x.mlp == kind):
                 for shard in self.backbone.shards:
@@ -171,7 +182,7 @@ class LayerStages:
                         _stacked(w["gate"], w["up"]), _stacked(s["gate"], s["up"]),
                         w["down"], s["down"], self.backbone.swiglu_limit, self.backbone.ue8m0,
                     )  # fmt: skip
-                    self._add(op, tokens, shard, p)
+                    self._add(op, tokens, shard, p, sublayer)
 
         return build
 
@@ -209,7 +220,7 @@ class LayerStages:
                     for kind, cls in kinds.items() if kind in choice.values()
                 }  # fmt: skip
                 op = MoeLayer(Router(router), {m: ops[c] for m, c in choice.items()})
-                self._add(op, tokens, shard, p)
+                self._add(op, tokens, shard, p, sublayer=True)
 
     def _kda(self, tokens: list[int]) -> None:
         """Each KDA layer's conv -> gates -> delta rule -> gated norm as one `KdaDecode`
@@ -360,13 +371,17 @@ class LayerStages:
 
     @contextmanager
     def installed(self, tokens: int) -> Iterator[None]:
-        """The stage ops serving `tokens`-token steps stand in for their stock ops."""
-        routes = self.routes.get(tokens, [])
+        """The stage ops serving `tokens`-token steps stand in for their stock ops: routed
+        in the backbone, or (whole sublayers) called by `mlp`."""
+        routes = [r for r in self.routes.get(tokens, []) if r[1] not in self.sublayers]
+        serving = {(s, n): op for s, n, op in self.routes.get(tokens, []) if n in self.sublayers}
         for shard, name, op in routes:
             self.backbone.route(shard, name, op)
+        saved, self._serving = self._serving, serving
         try:
             yield
         finally:
+            self._serving = saved
             for shard, name, _ in routes:
                 self.backbone.route(shard, name, None)
 
@@ -391,15 +406,26 @@ class LayerStages:
         return self._sublayer(x, lambda s: self.backbone.attention(s, layer.index, x, placement))
 
     def mlp(self, layer, x: Tensor) -> Tensor:
-        """The layer's MLP output, as `attention`'s (dense MLP / MoE stages routed)."""
-        return self._sublayer(x, lambda s: self.backbone.mlp(s, layer.index, x))
+        """The layer's MLP output, as `attention`'s: the whole-MLP stage (dense MLP or MoE)
+        where one serves the installed count, each shard's op on x's rows, else the
+        backbone's MLP (its router and shared expert routed where their stages serve)."""
+        name = f"layers.{layer.index}.mlp"
+        ops = [self._serving.get((s, name)) for s in self.backbone.shards]
+        if None in ops:
+            return self._sublayer(x, lambda s: self.backbone.mlp(s, layer.index, x))
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        by_shard = dict(zip(self.backbone.shards, ops, strict=True))
+        return self._sublayer(x, lambda s: by_shard[s](rows).view(*x.shape[:-1], -1), stage=True)
 
-    def _sublayer(self, x: Tensor, shard_output: Callable[[int], Tensor]) -> Tensor:
+    def _sublayer(self, x: Tensor, shard_output: Callable[[int], Tensor], stage=False) -> Tensor:
+        """The shards' outputs reduced (a stage's partials by the backbone's `all_reduce`,
+        its own sublayers' by `reduce`), or this process's partial where `partial`."""
         b = self.backbone
         if self.partial(x.numel() // x.shape[-1]):  # `run` holds the backbone unreduced
             (shard,) = b.shards  # `_boundaries` exchanges only one shard a process
             return shard_output(shard)
-        return b.reduce([shard_output(s) for s in b.shards])
+        outputs = [shard_output(s) for s in b.shards]
+        return b.all_reduce(outputs) if stage else b.reduce(outputs)
 
 
 class SpecializedDecode(LayerStages):

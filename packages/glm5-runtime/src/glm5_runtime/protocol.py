@@ -3,8 +3,10 @@ backbone. Two implementations: the reference backbone (`glm5_runtime.reference.b
 and glm5-vllm's adapter over vLLM's modules.
 
 Tensor parallelism: a process computes one or more TP `shards` (vLLM: its own rank; the
-reference simulates several). Sublayer outputs are per shard and TP-partial; `reduce` is the
-all-reduce. A backbone's own step object (`placement`: cache slots, block tables, metadata)
+reference simulates several). A stage's sublayer outputs are per shard and TP-partial;
+`all_reduce` sums them. The backbone's own `attention` / `mlp` outputs go through `reduce`
+(the same sum where they are partial; the identity where its modules all-reduce inside, as
+vLLM's do). A backbone's own step object (`placement`: cache slots, block tables, metadata)
 passes through the runtime untouched; `rows(placement)` gives the neutral row counts the
 routing decision reads.
 
@@ -220,7 +222,13 @@ class Backbone(Protocol):
         """Shard's TP-partial MLP output (dense or MoE), x [R, T, D]."""
 
     def reduce(self, partials: Sequence[Tensor]) -> Tensor:
-        """The TP all-reduce of the shards' partial outputs."""
+        """The reduced output of the shards' `attention` / `mlp` outputs: their TP
+        all-reduce where they are partial, the identity where the backbone's modules
+        all-reduce inside (vLLM's)."""
+
+    def all_reduce(self, partials: Sequence[Tensor]) -> Tensor:
+        """The TP all-reduce of a stage's per-shard partial outputs (a whole sublayer the
+        layer loop ran itself)."""
 
     def unreduced(self) -> AbstractContextManager[None]:
         """Inside it, `embed`, `attention` and `mlp` return this process's TP-partial

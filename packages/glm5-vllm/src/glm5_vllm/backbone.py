@@ -315,6 +315,13 @@ class VllmBackbone:
         (out,) = partials  # one rank per process; vLLM's modules reduced it already
         return out
 
+    def all_reduce(self, partials: Sequence[Tensor]) -> Tensor:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+        from vllm.distributed import tensor_model_parallel_all_reduce as all_reduce
+
+        (out,) = partials  # one rank per process: a stage's partial output
+        return all_reduce(out) if get_tensor_model_parallel_world_size() > 1 else out
+
     def _reduce_flags(self) -> list[tuple[Any, str, bool]]:
         """(holder, flag, its value that leaves the output TP-partial) of every all-reduce
         inside the decoder's embedding and its layers' sublayers."""
@@ -521,8 +528,6 @@ def _routed_forward(module: nn.Module, ops: dict[int | None, Any]):
             return False
         if linear:
             return getattr(module, "reduce_results", False)
-        if hasattr(module, "experts"):  # an MoE block: vLLM's returns routed + shared reduced
-            return not module.experts.moe_config.skip_final_all_reduce
         return getattr(module.down_proj, "reduce_results", False)  # an MLP block
 
     def finish(y: Tensor):

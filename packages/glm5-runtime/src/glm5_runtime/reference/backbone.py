@@ -176,6 +176,9 @@ class ReferenceBackbone:
     def reduce(self, partials: Sequence[Tensor]) -> Tensor:
         return self.model.reduce(partials)
 
+    def all_reduce(self, partials: Sequence[Tensor]) -> Tensor:
+        return self.model.reduce(partials)  # its own sublayers' outputs are partial too
+
     @contextmanager
     def unreduced(self) -> Iterator[None]:
         # `attention` / `mlp` return a shard's partial output anyway; `embed` sums unless in.
