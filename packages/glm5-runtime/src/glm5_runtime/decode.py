@@ -122,20 +122,22 @@ class LayerStages:
         if not tokens:
             return
         routes, ops = {b: list(r) for b, r in self.routes.items()}, list(self.ops)
-        self._stage = stage
+        sublayers = set(self.sublayers)
         try:
             build(tokens)
         except Exception as e:  # any kernel build problem: the stock op is always right
-            self.routes, self.ops = routes, ops
+            self.routes, self.ops, self.sublayers = routes, ops, sublayers
             error = f"{type(e).__name__}: {e}"
             logger.warning("Specialized decode: stage %s runs stock (%s)", stage, error)
+            return
+        for op, _ in self.ops[len(ops) :]:  # what `build` added is this stage's
+            self.stage_of[id(op)] = stage
 
     def _add(self, op: Any, tokens: list[int], shard: int | None, name: str | None,
              sublayer: bool = False) -> None:  # fmt: skip
         """Register a stage op (for `name` of `shard`, unless None: routed, or where
         `sublayer`, the whole sublayer `name` the layer loop calls it for)."""
         self.ops.append((op, tokens))
-        self.stage_of[id(op)] = self._stage
         if name is not None:
             for b in tokens:
                 self.routes[b].append((shard, name, op))
