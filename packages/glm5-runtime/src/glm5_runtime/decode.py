@@ -413,9 +413,10 @@ class LayerStages:
         backbone's MLP (its router and shared expert routed where their stages serve)."""
         name = f"layers.{layer.index}.mlp"
         ops = [self._serving.get((s, name)) for s in self.backbone.shards]
-        if None in ops:
+        m = x.numel() // x.shape[-1]
+        if x.dtype != torch.bfloat16 or any(op is None or not op.supports(m) for op in ops):
             return self._sublayer(x, lambda s: self.backbone.mlp(s, layer.index, x))
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        rows = x.reshape(m, x.shape[-1]).contiguous()
         by_shard = dict(zip(self.backbone.shards, ops, strict=True))
         return self._sublayer(x, lambda s: by_shard[s](rows).view(*x.shape[:-1], -1), stage=True)
 
