@@ -94,16 +94,8 @@ class Shadow:
     def __init__(self, op, rank, name, pairs):
         self.op, self.rank, self.name, self.pairs = op, rank, name, pairs
 
-    def supports(self, m):
-        return self.op.supports(m)
-
-    @property
-    def low_rank(self):  # KdaDecode's: the route hands it f_a and g_a
-        return getattr(self.op, "low_rank", False)
-
-    @property
-    def key_norm(self):  # KpoolWrite's: the route hands it the indexer projection's sums
-        return getattr(self.op, "key_norm", None)
+    def __getattr__(self, name):  # everything else is the op's (its sizes, its flags)
+        return getattr(self.op, name)
 
     def __call__(self, x, *args, **kw):
         if type(self.op).__name__ == "KdaDecode":
@@ -216,7 +208,8 @@ class Shadow:
         """The fused KDA step on the caches, `kda_decode_ref` on copies taken before: the
         rows and the recurrent state each wrote (the conv state moves raw inputs: exact)."""
         op, conv_ref, rec_ref = self.op, conv.clone(), rec.clone()
-        y = op(qkv, f, b, gate, conv, rec, **place)
+        out = place.pop("out", None)
+        y = op(qkv, f, b, gate, conv, rec, **place, out=out)
         if op.low_rank:  # f_a and g_a: the reference takes the stock linears' up-projections
             f, gate = (
                 torch.nn.functional.linear(f, op.f_b),

@@ -138,7 +138,8 @@ def test_the_planned_step_runs_in_its_owners_ranges_and_is_left_as_it_was(planne
         decode.compute_logits(decode.run(decision.step, ids, step))
     names = {e.name for e in p.events()}
     stages = {f"stage {decode.stage_of[id(op)]}" for _, _, op in decode.routes[1]}
-    assert stages | {"stage boundary", "stage logits_head", "stock kda", "stock mla"} <= names
+    assert stages | {"stage boundary", "stage logits_head", "stock mla"} <= names
+    assert "stage kda" in stages and "stock kda" not in names  # the KDA sublayer: all stage
     assert (decode.routes, decode.mhc, decode.head) == before[:3]
     assert model.ranks[0].__dict__.keys() == before[3].keys()
 

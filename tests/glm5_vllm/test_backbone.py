@@ -248,40 +248,51 @@ def test_unreduced_leaves_every_sublayer_output_tp_partial(built, monkeypatch):
         b.mailbox(b.hidden_size, 8)
 
 
-def test_kda_route_runs_the_fused_step_on_vllms_caches(built, monkeypatch):
-    """The fused KDA stage in vLLM's KDA layer (seam 5): the layer's small weights by HF
-    name, `Backbone.kda` from its modules; routed, the backbone's `attention` of a uniform
-    verify and of a plain decode (padded, as a graph's step) runs vLLM's projections,
-    `KdaDecode` (Triton interpreter) on the layer's own conv / recurrent caches at the
-    placement of the step's GDN metadata, and o_proj — equal to the reference step
-    (`kda_decode_ref`) over the checkpoint's weights — with no forward of vLLM's shadowed;
-    the step's placement is derived once for all its KDA layers; a prefill runs vLLM's own
-    forward;
-    unrouted, the class's forward is back."""
+def test_kda_sublayer_runs_on_vllms_weights_caches_and_placement(built, monkeypatch):
+    """The fused KDA sublayer over vLLM's KDA layer (seam 5): the layer's weights by HF name
+    (the fused q | k | v | b | f_a | g_a projection whole, f_b and g_b, o_proj, the small
+    ones), `Backbone.kda` from its modules, its caches (`kda_caches`) and the placement of
+    the step's GDN metadata (`kda_placement`, derived once for the step's KDA layers, None
+    for a prefill). The runtime's sublayer (`sublayers.kda_attention`, the Triton
+    interpreter) on a uniform verify and a plain decode (padded, as a graph's step), with
+    f_b and g_b as GEMMs (`fused`) and inside the core (`fused_gates`), equals the reference
+    step (`kda_decode_ref`) over the checkpoint's weights; no forward of vLLM's is
+    shadowed."""
     import torch.nn.functional as F
     from test_metadata import _gdn
     from vllm.config import set_current_vllm_config
 
-    import glm5_vllm.kda as kda_module
+    import glm5_vllm.backbone as backbone_module
+    from glm5_kernels.gemm import Projection
     from glm5_kernels.kda import KdaDecode, kda_decode_ref
     from glm5_runtime.reference.backbone import ReferenceBackbone
+    from glm5_runtime.sublayers import kda_attention
     from glm5_vllm.backbone import VllmStep
 
     model, vllm_config, reference, sd = built
     b = _backbone(built)
     ours = ReferenceBackbone(reference).kda
     assert (b.kda.lower_bound, b.kda.eps) == (ours.lower_bound, ours.eps)  # -5, 1e-5
-    # vLLM's KDA layer hands the route f_b's and g_b's outputs: no fused_gates op there yet.
-    assert not b.kda.low_rank_gates and ours.low_rank_gates
     i, g = 1, reference.g
     p = f"layers.{i}.self_attn"
-    names = ("conv1d.weight", "forget_gate.dt_bias", "forget_gate.A_log", "o_norm.weight")
+    names = ("conv1d.weight", "forget_gate.dt_bias", "forget_gate.A_log", "o_norm.weight",
+             "forget_gate.f_b_proj.weight", "g_b_proj.weight", "o_proj.weight")  # fmt: skip
     w = {n: b.weight(0, f"{p}.{n}") for n in names}
     for n, t in w.items():
         assert torch.equal(t, sd[f"{p}.{n}"].to(t.dtype)), n
+    parts = ("q_proj", "k_proj", "v_proj", "b_proj", "forget_gate.f_a_proj", "g_a_proj")
+    in_proj = b.weight(0, f"{p}.in_proj_qkvbfg_a.weight")  # vLLM's fused weight, whole
+    assert torch.equal(in_proj, torch.cat([sd[f"{p}.{n}.weight"] for n in parts]).to(in_proj.dtype))
     small = dict(conv_weight=w["conv1d.weight"][:, 0], dt_bias=w["forget_gate.dt_bias"],
                  A_log=w["forget_gate.A_log"], norm_weight=w["o_norm.weight"])  # fmt: skip
-    op = KdaDecode(**small, lower_bound=b.kda.lower_bound, eps=b.kda.eps, max_tokens=4)
+    constants = dict(lower_bound=b.kda.lower_bound, eps=b.kda.eps, max_tokens=4)
+    f_b, g_b = w["forget_gate.f_b_proj.weight"], w["g_b_proj.weight"]
+    ops = {"in_proj_qkvbfg_a.weight": Projection(in_proj), "o_proj.weight":
+           Projection(w["o_proj.weight"])}  # fmt: skip
+    fused = ops | {"kda": KdaDecode(**small, **constants),
+                   "forget_gate.f_b_proj.weight": Projection(f_b),
+                   "g_b_proj.weight": Projection(g_b)}  # fmt: skip
+    gated = ops | {"kda": KdaDecode(**small, **constants, f_b=f_b, g_b=g_b)}
     attn = model.model.layers[i].self_attn
     h, k, width = g.linear_num_heads, g.linear_head_dim, g.linear_conv_kernel_dim
     gen = torch.Generator().manual_seed(5)
@@ -295,13 +306,9 @@ def test_kda_route_runs_the_fused_step_on_vllms_caches(built, monkeypatch):
     decode.non_spec_state_indices_tensor = torch.tensor([6, 3, 1, 0], dtype=torch.int32)
     monkeypatch.setattr(attn, "kv_cache", (conv, rec), raising=False)
 
-    def reference_step(x, md, caches):
-        """The checkpoint's projections, kda_decode_ref, o_proj: the step the route must
-        equal."""
-        from glm5_vllm.metadata import kda_placement
-
+    def reference_step(x, place, caches):
+        """The checkpoint's projections, kda_decode_ref, o_proj: the sublayer's equal."""
         lin = lambda t, n: F.linear(t, sd[f"{p}.{n}.weight"].to(t.dtype))  # noqa: E731
-        place = kda_placement(md)
         r, t = place.write_slots.shape
         rows = [lin(x, "q_proj"), lin(x, "k_proj"), lin(x, "v_proj")]
         f = lin(lin(x, "forget_gate.f_a_proj"), "forget_gate.f_b_proj")
@@ -311,53 +318,44 @@ def test_kda_route_runs_the_fused_step_on_vllms_caches(built, monkeypatch):
                            lower_bound=b.kda.lower_bound, eps=b.kda.eps)  # fmt: skip
         return lin(o.reshape(r * t, -1), "o_proj")
 
-    def step(md, rows):  # what glm5_vllm.models builds once a forward
-        return VllmStep(torch.zeros(rows, dtype=torch.long), None, {attn.prefix: md})
+    def step(mds, rows):  # what glm5_vllm.models builds once a forward
+        return VllmStep(torch.zeros(rows, dtype=torch.long), None, mds)
 
     with set_current_vllm_config(vllm_config), torch.no_grad():
-        b.route(0, f"{p}.kda", op)
-        assert "forward" not in vars(attn)  # the backbone runs the layer: nothing shadowed
+        assert tuple(b.kda_caches(0, i)) == (conv, rec)
         for md, padding in ((verify, 0), (decode, 1)):  # the decode padded to 4 rows
             n = md.num_actual_tokens
             x = torch.randn(n + padding, g.hidden_size, generator=gen).bfloat16()
-            caches = (conv.clone(), rec.clone())
-            want = reference_step(x[:n], md, caches)
-            got = b.attention(0, i, x, step(md, n + padding))
-            assert got.shape[0] == n + padding and got.isfinite().all()
-            assert _rel(got[:n], want) < 2**-7, md.num_spec_decodes
-            assert _rel(conv, caches[0]) < 2**-8 and _rel(rec, caches[1]) < 2**-8
-        # The step's placement is derived once for all its KDA layers (one metadata object).
+            place = b.kda_placement(step({attn.prefix: md}, n + padding), i)
+            start = (conv.clone(), rec.clone())
+            for kind, sublayer in (("fused", fused), ("fused_gates", gated)):
+                conv.copy_(start[0])
+                rec.copy_(start[1])
+                caches = (conv.clone(), rec.clone())
+                want = reference_step(x[:n], place, caches)
+                got = kda_attention(x, sublayer, *b.kda_caches(0, i), place)
+                assert got.shape[0] == n + padding and got.isfinite().all()
+                assert _rel(got[:n], want) < 2**-7, (kind, md.num_spec_decodes)
+                assert _rel(conv, caches[0]) < 2**-8 and _rel(rec, caches[1]) < 2**-8, kind
+        assert "forward" not in vars(attn)  # nothing of vLLM's shadowed
+        # The step's placement is derived once for all its KDA layers (one metadata object),
+        # again for the next step; a prefill has none (the sublayer runs vLLM's forward).
         j = 2
         second = model.model.layers[j].self_attn
         assert model.model.layers[j].layer_kind == "kda"
-        monkeypatch.setattr(second, "kv_cache", (conv.clone(), rec.clone()), raising=False)
-        b.route(0, f"layers.{j}.self_attn.kda", op)  # its weights are layer i's: counted only
         placed = []
-        real = kda_module.kda_placement
-        monkeypatch.setattr(kda_module, "kda_placement", lambda md: placed.append(md) or real(md))
-        shared = VllmStep(torch.zeros(4, dtype=torch.long), None,
-                          {attn.prefix: decode, second.prefix: decode})  # fmt: skip
-        x = torch.randn(4, g.hidden_size, generator=gen).bfloat16()
-        for layer in (i, j):
-            assert b.attention(0, layer, x, shared).isfinite().all()
+        real = backbone_module.kda_placement
+        monkeypatch.setattr(backbone_module, "kda_placement",
+                            lambda md: placed.append(md) or real(md))  # fmt: skip
+        shared = step({attn.prefix: decode, second.prefix: decode}, 4)
+        first = b.kda_placement(shared, i)
+        assert first is not None and b.kda_placement(shared, j) is first
         assert placed == [decode]
-        assert b.attention(0, i, x, step(decode, 4)).isfinite().all()  # a new step: again
+        assert b.kda_placement(step({attn.prefix: decode}, 4), i) is not first
         assert placed == [decode, decode]
-        b.route(0, f"layers.{j}.self_attn.kda", None)
-        # A prefill: vLLM's own forward (recorded here; its kernels are GPU-only).
-        called = []
-
-        def stock(self, hidden_states, positions):
-            called.append(1)
-            return hidden_states
-
-        monkeypatch.setattr(type(attn), "forward", stock)
         prefill = _gdn(prefills=1, prefill_tokens=2)
-        b.attention(0, i, x[:2], step(prefill, 2))
-        assert called == [1]
-        b.route(0, f"{p}.kda", None)
-        b.attention(0, i, x[:2], step(decode, 2))  # unrouted: vLLM's forward whatever the step
-        assert called == [1, 1] and "forward" not in vars(attn)
+        assert b.kda_placement(step({attn.prefix: prefill}, 2), i) is None
+        assert b.kda_placement(step({}, 2), i) is None  # outside a forward context
 
 
 def test_dsa_attn_route_runs_the_sparse_stage_in_vllms_mla_layer(built, monkeypatch):

@@ -1,11 +1,12 @@
 """The specialized decode over a backbone: one routing decision per step (`plan`), then
 every layer's stages in one loop, captured once per token count in a FULL CUDA graph.
 
-Stages come from the policy per stage and token count. The whole-MLP stages are sublayers
-the layer loop calls itself (`mlp`; each shard's op on the sublayer's input, the partial
-outputs summed by the backbone's `all_reduce`); the others stand in for a stock op of the
-backbone through its routes (by weight name or module prefix) while a planned step of a
-token count they serve runs, so every op without a stage stays the backbone's own:
+Stages come from the policy per stage and token count. The whole-MLP stages and the KDA
+stage are sublayers the layer loop runs itself (`mlp`, `attention`; each shard's ops on the
+sublayer's input, the partial outputs summed by the backbone's `all_reduce`); the others
+stand in for a stock op of the backbone through its routes (by weight name or module
+prefix) while a planned step of a token count they serve runs, so every op without a stage
+stays the backbone's own:
   * `dense_mlp` (`DenseMlp`) and `moe`, whole sublayers: the block-FP8 SwiGLU MLP, and the
     whole MoE layer (router, routing, routed + shared experts, summed) as one `MoeLayer` in
     four launches, its experts `MegaExperts` (`per_route`) or `GroupedExperts` (`grouped`)
@@ -15,9 +16,10 @@ token count they serve runs, so every op without a stage stays the backbone's ow
     wq_b projections; one op over a fused q_a | kv_a weight where the backbone holds one),
     `kda_proj` (KDA q / k / v and o_proj), `router` (the MoE gate, FP32 logits), and the
     shared expert's block-FP8 SwiGLU MLP (`shared_expert`: `SharedExpert`);
-  * `kda`: each KDA layer's conv -> gates -> delta rule -> gated norm as one `KdaDecode`
-    launch between the backbone's projections and o_proj, on the layer's caches and the
-    step's neutral placement (route `self_attn.kda`);
+  * `kda`, a whole sublayer (`attention`): each KDA layer's fused projection, f_b / g_b,
+    conv -> gates -> delta rule -> gated norm as one `KdaDecode` launch, and o_proj
+    (`sublayers.kda_attention`), on the backbone's KDA caches at the step's neutral
+    placement; `kda_proj` serves only the counts it does not;
   * `dsa_attn`: each MLA layer's attention over the indexer's selection and its value-up
     (`SparseMlaDecode`), and where the backbone offers them its q_a / kv_a RMSNorms and
     latent write (`LatentWrite`); `dsa_kpool` (`KpoolWrite`: the pool write and query
@@ -58,6 +60,7 @@ from glm5_policy import DecodeConfig, Policy
 
 from .plan import Plan, Step, StepContext, plan
 from .protocol import Backbone
+from .sublayers import KDA_PARTS, kda_attention
 
 __all__ = ["LayerStages", "SpecializedDecode"]
 
@@ -65,6 +68,7 @@ logger = logging.getLogger("glm5_runtime")
 
 DSA_PROJECTIONS = ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "o_proj", "indexer.wq_b")
 KDA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+KDA_CORES = ("fused", "fused_gates")  # the `kda` choices: the whole KDA sublayer a stage
 
 
 def _stacked(a: Tensor, b: Tensor) -> Tensor:
@@ -97,7 +101,9 @@ class LayerStages:
         self.ops: list[tuple[Any, list[int]]] = []  # (op, its token counts) to prepare
         self.stage_of: dict[int, str] = {}  # id(op) -> its policy stage
         self._build("dsa_proj", self._projections("mla", DSA_PROJECTIONS))
-        self._build("kda_proj", self._projections("kda", KDA_PROJECTIONS))
+        # Where `kda` serves a token count the KDA sublayer is its own, projections included.
+        sublayer = {b for b in self.batches if self.policy("kda", b) in KDA_CORES}
+        self._build("kda_proj", self._projections("kda", KDA_PROJECTIONS), skip=sublayer)
         # Where `moe` serves a token count it is the whole layer, its router and shared
         # expert inside its own launches: their stages serve the other counts only.
         layer = {b for b in self.batches if self.policy("moe", b)}
@@ -106,7 +112,7 @@ class LayerStages:
                     skip=layer)  # fmt: skip
         self._build("dense_mlp", self._mlps("dense", "mlp", DenseMlp, sublayer=True))
         self._build("moe", self._moe)
-        self._build("kda", self._kda, choice=("fused", "fused_gates"))
+        self._build("kda", self._kda, choice=KDA_CORES)
         self._build("dsa_attn", self._dsa_attn, choice="sparse")
         self._build("dsa_kpool", self._dsa_kpool, choice="fused")
         self._build("dsa_indexer", self._dsa_indexer, choice="fused")
@@ -225,38 +231,47 @@ class LayerStages:
                 self._add(op, tokens, shard, p, sublayer=True)
 
     def _kda(self, tokens: list[int]) -> None:
-        """Each KDA layer's conv -> gates -> delta rule -> gated norm as one `KdaDecode`
-        launch, between the backbone's projections and o_proj (route `self_attn.kda`);
-        `fused_gates`: the gates' up-projections f_b and g_b inside it too (one op a layer
-        for each choice the token counts take)."""
+        """Each KDA layer's attention as one sublayer the loop runs (`attention`): the fused
+        input projection, f_b and g_b (`fused`) or none (`fused_gates`: inside the core),
+        the core — conv -> gates -> delta rule -> gated norm, one `KdaDecode` launch — and
+        o_proj (`sublayers.kda_attention`), on the backbone's KDA caches at the step's
+        neutral placement; one core a layer for each choice the token counts take."""
         b = self.backbone
         if b.kda is None:
             raise ValueError("the backbone's KDA layers do not take the fused stage (Backbone.kda)")
         by_choice: dict[str, list[int]] = {}
         for m in tokens:
             by_choice.setdefault(self.policy("kda", m), []).append(m)
-        if "fused_gates" in by_choice and not b.kda.low_rank_gates:
-            raise ValueError("fused_gates: the backbone's KDA route hands the stage the gates' "
-                             "up-projections, not f_a / g_a (Kda.low_rank_gates)")  # fmt: skip
+        split = by_choice.get("fused", [])
         for layer in (x for x in self.layers if x.attention == "kda"):
             for shard in b.shards:
                 p = f"layers.{layer.index}.self_attn"
-                names = [f"{p}.conv1d.weight", f"{p}.forget_gate.dt_bias",
-                         f"{p}.forget_gate.A_log", f"{p}.o_norm.weight"]  # fmt: skip
-                if "fused_gates" in by_choice:
-                    names += [f"{p}.forget_gate.f_b_proj.weight", f"{p}.g_b_proj.weight"]
+                small = ("conv1d.weight", "forget_gate.dt_bias", "forget_gate.A_log",
+                         "o_norm.weight")  # fmt: skip
+                names = [f"{p}.{n}" for n in (*small, *KDA_PARTS[:3], "o_proj.weight")]
                 w = [b.weight(shard, n) for n in names]
                 missing = [n for n, t in zip(names, w, strict=True) if t is None]
                 if missing:
                     raise ValueError(f"no {', '.join(missing)}")
-                conv, dt_bias, a_log, norm = w[:4]
+                conv, dt_bias, a_log, norm, in_proj, f_b, g_b, o_proj = w
                 for choice, counts in by_choice.items():
-                    gates = {"f_b": w[4], "g_b": w[5]} if choice == "fused_gates" else {}
-                    op = KdaDecode(
+                    gates = {"f_b": f_b, "g_b": g_b} if choice == "fused_gates" else {}
+                    core = KdaDecode(
                         conv.reshape(conv.shape[0], -1), dt_bias, a_log.reshape(-1), norm,
                         lower_bound=b.kda.lower_bound, eps=b.kda.eps, **gates,
                     )  # fmt: skip
-                    self._add(op, counts, shard, f"{p}.kda")
+                    self._add(core, counts, shard, f"{p}.kda", sublayer=True)
+                parts = {"in_proj_qkvbfg_a.weight": (in_proj, tokens), "o_proj.weight":
+                         (o_proj, tokens), "forget_gate.f_b_proj.weight": (f_b, split),
+                         "g_b_proj.weight": (g_b, split)}  # fmt: skip
+                for n, (weight, counts) in parts.items():
+                    if counts:
+                        self._add(Projection(weight, counts), counts, shard, f"{p}.{n}",
+                                  sublayer=True)  # fmt: skip
+                width = conv.shape[0] + a_log.numel() + f_b.shape[1] + g_b.shape[1]
+                if in_proj.shape[0] != width:
+                    raise ValueError(f"{p}.in_proj_qkvbfg_a.weight: {in_proj.shape[0]} rows, "
+                                     f"q | k | v | b | f_a | g_a are {width}")  # fmt: skip
 
     def _dsa_attn(self, tokens: list[int]) -> None:
         """Each MLA layer's attention over the indexer's selection and its value-up as one
@@ -404,8 +419,35 @@ class LayerStages:
 
     def attention(self, layer, x: Tensor, placement: Any) -> Tensor:
         """The layer's attention output, reduced or, where `partial`, this process's
-        TP-partial one (projections routed per the policy)."""
+        TP-partial one: a KDA layer's whole sublayer where the `kda` stage serves the step,
+        else the backbone's attention (projections routed per the policy)."""
+        if layer.attention == "kda":
+            out = self._kda_sublayer(layer, x, placement)
+            if out is not None:
+                return out
         return self._sublayer(x, lambda s: self.backbone.attention(s, layer.index, x, placement))
+
+    def _kda_sublayer(self, layer, x: Tensor, placement: Any) -> Tensor | None:
+        """`sublayers.kda_attention` on each shard, or None where the stage does not serve
+        this step (no ops installed for its count, a step the placement does not cover)."""
+        b, p = self.backbone, f"layers.{layer.index}.self_attn"
+        ops = {s: {n: self._serving.get((s, f"{p}.{n}")) for n in KDA_PARTS} for s in b.shards}
+        if x.dtype != torch.bfloat16 or any(o["kda"] is None for o in ops.values()):
+            return None
+        m = x.numel() // x.shape[-1]
+        place = b.kda_placement(placement, layer.index)
+        if place is None or not all(
+            op.supports(place.write_slots.shape[1] if n == "kda" else m)
+            for o in ops.values() for n, op in o.items() if op is not None
+        ):  # fmt: skip
+            return None
+        rows = x.reshape(m, x.shape[-1]).contiguous()
+
+        def shard_output(s: int) -> Tensor:
+            y = kda_attention(rows, ops[s], *b.kda_caches(s, layer.index), place)
+            return y.view(*x.shape[:-1], -1)
+
+        return self._sublayer(x, shard_output, stage=True)
 
     def mlp(self, layer, x: Tensor) -> Tensor:
         """The layer's MLP output, as `attention`'s: the whole-MLP stage (dense MLP or MoE)

@@ -58,14 +58,11 @@ class Routing:
 
 @dataclass(frozen=True)
 class Kda:
-    """What the fused KDA stage needs besides weights: the forget gate's lower bound (None:
-    the softplus gate) and the output gated RMSNorm's eps; `low_rank_gates`: the route
-    `self_attn.kda` hands a stage op whose `low_rank` is set the gates' low-rank halves (f_a,
-    g_a) instead of their up-projections (the `kda` stage's `fused_gates` choice)."""
+    """What the fused KDA sublayer needs besides weights, caches and placement: the forget
+    gate's lower bound (None: the softplus gate) and the output gated RMSNorm's eps."""
 
     lower_bound: float | None
     eps: float
-    low_rank_gates: bool = False
 
 
 @dataclass(frozen=True)
@@ -148,12 +145,12 @@ class Backbone(Protocol):
     # `layers.{i}.{attn,ffn}_hc.{fn,scale,base}` and `layers.{i}.{input,post_attention}_
     # layernorm.weight` (replicated: any shard's).
     mhc: MhcConfig | None
-    # Where the backbone's KDA layers take the fused KDA stage (attention-stage state, seam
-    # 5): the route `layers.{i}.self_attn.kda` gets the layer's projections' outputs (q | k |
-    # v rows, f_b's, b's, g_b's), its conv and recurrent state tensors and the step's neutral
-    # placement (conv_slots, conv_offset, read_slots, write_slots, keep) and returns the
-    # gated-normed rows o_proj reads; weights `conv1d.weight`, `forget_gate.dt_bias`,
-    # `forget_gate.A_log`, `o_norm.weight` under `layers.{i}.self_attn.`. None: KDA stays stock.
+    # Where the backbone's KDA layers take the fused KDA sublayer (seam 5: the layer loop
+    # runs it whole, its state through `kda_caches` and `kda_placement`): its weights under
+    # `layers.{i}.self_attn.`: `in_proj_qkvbfg_a.weight` (q | k | v | b | f_a | g_a rows,
+    # BF16: the projection's), `forget_gate.f_b_proj.weight`, `g_b_proj.weight`,
+    # `o_proj.weight`, `conv1d.weight`, `forget_gate.dt_bias`, `forget_gate.A_log`,
+    # `o_norm.weight`. None: KDA stays stock.
     kda: Kda | None
     # Where the backbone's MLA layers take the sparse MLA stage (seam 5): the route
     # `layers.{i}.self_attn.dsa_attn` gets the absorbed query [N, H, L] BF16, the layer's
@@ -220,6 +217,14 @@ class Backbone(Protocol):
 
     def mlp(self, shard: int, layer: int, x: Tensor) -> Tensor:
         """Shard's TP-partial MLP output (dense or MoE), x [R, T, D]."""
+
+    def kda_caches(self, shard: int, layer: int) -> tuple[Tensor, Tensor]:
+        """KDA layer `layer`'s conv state [slots, >= W-2+q, 3C'] BF16 (channels last) and
+        recurrent state [slots, H, V, K] FP32 of shard `shard`, updated in place."""
+
+    def kda_placement(self, placement: Any, layer: int) -> KdaPlacement | None:
+        """The step's neutral KDA placement for `layer` (seam 5), derived once a step; None
+        where the step is not a plain decode or a uniform verify (the sublayer runs stock)."""
 
     def reduce(self, partials: Sequence[Tensor]) -> Tensor:
         """The reduced output of the shards' `attention` / `mlp` outputs: their TP

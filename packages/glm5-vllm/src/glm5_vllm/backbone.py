@@ -18,13 +18,13 @@ module to vLLM) and is recorded in `refused` for one warning per layout.
 A route makes a module's forward run a stage op (an instance attribute that shadows the
 class's forward; removing it restores vLLM's): a whole linear (all-reduced when the module
 is row-parallel and reduces), one part of a fused linear (the other parts keep vLLM's
-weights), the MoE gate (cast to the gate's output dtype), or an MLP block. The KDA route
-(`layers.{i}.self_attn.kda`) is held by the backbone, whose `attention` then runs that
-layer as `kda.kda_attention` (vLLM's projections, the stage at the step's placement,
-o_proj; no forward shadowed); the sparse MLA route (`layers.{i}.self_attn.dsa_attn`)
-shadows the MLA attention's decode core (`mla.install_sparse_mla`); the indexer routes
+weights), the MoE gate (cast to the gate's output dtype), or the shared expert's MLP
+block. The sparse MLA route (`layers.{i}.self_attn.dsa_attn`) shadows the MLA attention's
+decode core (`mla.install_sparse_mla`); the indexer routes
 (`layers.{i}.self_attn.indexer.kpool` and `.topk`, both needed, and `.inputs` where the
-pool write takes its sums) the indexer's forward (`indexer.install_indexer`).
+pool write takes its sums) the indexer's forward (`indexer.install_indexer`). A KDA layer
+the `kda` stage serves takes no route: the runtime runs it whole over its weights, its
+caches (`kda_caches`) and the step's placement (`kda_placement`).
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ from glm5_runtime.plan import Rows, StepContext
 from glm5_runtime.protocol import Layer, Routing
 
 from .indexer import indexer_constants, install_indexer
-from .kda import KDA_CONV, KDA_WEIGHTS, kda_attention, kda_constants
+from .kda import KDA_CONV, KDA_MODULES, KDA_WEIGHTS, kda_constants
 from .layouts import Layout, expert_layout, linear_layout
+from .metadata import kda_placement
 from .mla import install_sparse_mla, mla_constants, uninstall_sparse_mla
 
 __all__ = ["VllmBackbone", "VllmDraftBackbone", "VllmStep"]
@@ -135,7 +136,6 @@ class VllmBackbone:
         self.mhc = _mhc(config, [self.decoder.layers[x.index] for x in self.layers],
                         getattr(self.decoder, "norm", None))  # fmt: skip
         self._routes: dict[nn.Module, dict[int | None, Any]] = {}
-        self._kda_ops: dict[int, Any] = {}  # layer -> its fused KDA stage (route `.kda`)
         self._indexer_ops: dict[nn.Module, dict[str, Any]] = {}  # an indexer -> its stages
         # The step whose attention runs (`stepping`): the stages inside vLLM's modules (the
         # indexer's) read its placement; None between layers.
@@ -178,6 +178,8 @@ class VllmBackbone:
         return None if module is None else (module, None, leaf)
 
     def weight(self, shard: int, name: str) -> Tensor | None:
+        for hf, held in KDA_MODULES.items():
+            name = name.replace(hf, held)
         base, _, leaf = name.rpartition(".")
         if base.endswith(".mlp.experts") and leaf in EXPERT_TENSORS:
             return self._expert_tensor(base, EXPERT_TENSORS[leaf])
@@ -293,11 +295,18 @@ class VllmBackbone:
 
     def attention(self, shard: int, layer: int, x: Tensor, placement: VllmStep) -> Tensor:
         module = self.decoder.layers[layer].self_attn
-        kda = self._kda_ops.get(layer)
-        if kda is not None:  # vLLM's projections and o_proj around the fused KDA step
-            return kda_attention(module, kda, x, placement)
         with self.stepping(placement):
             return module(hidden_states=x, positions=placement.positions)
+
+    def kda_caches(self, shard: int, layer: int) -> tuple[Tensor, Tensor]:
+        conv, recurrent = self.decoder.layers[layer].self_attn.kv_cache
+        return conv, recurrent
+
+    def kda_placement(self, placement: VllmStep, layer: int):
+        """From the step's GDN metadata for the layer (one object for every KDA layer of a
+        step: placed once)."""
+        md = placement.metadata.get(self.decoder.layers[layer].self_attn.prefix)
+        return None if md is None else placement.once("kda", (md,), lambda: kda_placement(md))
 
     @contextmanager
     def stepping(self, placement: VllmStep) -> Iterator[None]:
@@ -419,15 +428,6 @@ class VllmBackbone:
                 uninstall_sparse_mla(attention)
             else:
                 install_sparse_mla(attention, op, _selected(self.config))
-            return
-        if name.endswith(".self_attn.kda"):  # `attention` runs the layer around the stage
-            layer = int(name.split(".")[1])
-            if self._module(name.removesuffix(".kda")) is None:
-                raise KeyError(f"glm5-vllm: no vLLM module {name.removesuffix('.kda')}")
-            if op is None:
-                self._kda_ops.pop(layer, None)
-            else:
-                self._kda_ops[layer] = op
             return
         if name.endswith(".weight"):
             found = self._locate(name)

@@ -18,7 +18,7 @@ from glm5_kernels.mhc import MhcConfig, hc_expand_ref, hc_head_ref, hc_post_ref
 from glm5_kernels.norm import rms_norm_ref
 
 from ..plan import Rows
-from ..protocol import Indexer, Kda, Layer, Mla, Routing
+from ..protocol import Indexer, Kda, KdaPlacement, Layer, Mla, Routing
 from .model import ReferenceModel
 from .stages import FUSED_PARTS, KEY_EPS, Placement
 
@@ -53,8 +53,7 @@ class ReferenceBackbone:
         self.vocab_size = g.vocab_size
         self.ue8m0 = model.ranks[0].ue8m0
         self.routing = Routing(g.num_experts_per_tok, g.routed_scaling_factor)
-        # RankStages.kda routes `.kda` (f_a and g_a to an op projecting the gates itself).
-        self.kda = Kda(g.linear_lower_bound, g.rms_norm_eps, low_rank_gates=True)
+        self.kda = Kda(g.linear_lower_bound, g.rms_norm_eps)  # `kda_caches`, `kda_placement`
         scale = (g.qk_nope_head_dim + g.qk_rope_head_dim) ** -0.5
         # RankStages.mla: `.dsa_attn`, and `.latent` (its input norms and latent write)
         self.mla = Mla(g.qk_nope_head_dim, g.v_head_dim, scale, norm_eps=g.rms_norm_eps)
@@ -172,6 +171,17 @@ class ReferenceBackbone:
         rank = self.model.ranks[shard]
         dense = layer < self.g.num_hidden_layers and self.g.mlp_layer_types[layer] == "dense"
         return (rank.dense_mlp if dense else rank.moe)(layer, x)
+
+    def kda_caches(self, shard: int, layer: int) -> tuple[Tensor, Tensor]:
+        caches = self.model.ranks[shard].c
+        return caches.conv[layer], caches.recurrent[layer]
+
+    def kda_placement(self, placement: Placement, layer: int) -> KdaPlacement | None:
+        tokens = placement.positions.shape[1]
+        if tokens > 1 and not placement.keep_states:  # a prefill
+            return None
+        return KdaPlacement(placement.conv_slots, placement.conv_offset, placement.read_slots,
+                            placement.write_slots, keep=tokens > 1)  # fmt: skip
 
     def reduce(self, partials: Sequence[Tensor]) -> Tensor:
         return self.model.reduce(partials)

@@ -171,23 +171,14 @@ class RankStages:
             read_slots=step.read_slots, write_slots=step.write_slots,
             keep=step.keep_states and T > 1,
         )  # fmt: skip
-        fused = self.routes.get(f"{a}.kda")  # the fused KDA stage: conv to gated norm
-        if fused is None or x.dtype != torch.bfloat16 or not fused.supports(T):
-            fused = None
-        if fused is not None and fused.low_rank:  # f_b and g_b inside its kernel
-            o = fused(mixed, f_a, b, g_a, conv, rec, **place)
-            return self.linear(o, f"{a}.o_proj.weight")
         f = self.linear(f_a, f"{a}.forget_gate.f_b_proj.weight")
         gate_o = self.linear(g_a, f"{a}.g_b_proj.weight")
-        if fused is not None:
-            o = fused(mixed, f, b, gate_o, conv, rec, **place)
-        else:
-            o = kda_decode_ref(
-                mixed, f, b, gate_o, conv, rec, self.w[f"{a}.conv1d.weight"][:, 0],
-                self.w[f"{a}.forget_gate.dt_bias"], self.w[f"{a}.forget_gate.A_log"],
-                self.w[f"{a}.o_norm.weight"], **place, lower_bound=g.linear_lower_bound,
-                eps=g.rms_norm_eps, recurrence=self.recurrence,
-            )  # fmt: skip
+        o = kda_decode_ref(
+            mixed, f, b, gate_o, conv, rec, self.w[f"{a}.conv1d.weight"][:, 0],
+            self.w[f"{a}.forget_gate.dt_bias"], self.w[f"{a}.forget_gate.A_log"],
+            self.w[f"{a}.o_norm.weight"], **place, lower_bound=g.linear_lower_bound,
+            eps=g.rms_norm_eps, recurrence=self.recurrence,
+        )  # fmt: skip
         return self.linear(o, f"{a}.o_proj.weight")
 
     def recurrence(self, q, k, v, gate, beta, state, *, all_states: bool):
