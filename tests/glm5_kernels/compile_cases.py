@@ -17,7 +17,7 @@ from glm5_kernels.gemm.triton_skinny import (
 
 # Pointers and the sizes Triton sees divisible by 16 at real shapes (it specializes on that).
 ALIGNED = {"N", "K", "stride_xm", "stride_om", "D", "I", "stride_lm"}
-INTS = {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_om", "K_TILES")}
+INTS = {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_om", "K_TILES", "n_block")}
 COMMON = {"INTERPRETER": False, "PDL": True, "PREFETCH": 4}
 
 
@@ -316,6 +316,18 @@ def latent_cases(arch: int) -> int:
     return 1
 
 
+def embed_cases(arch: int) -> int:
+    """The vocab-parallel embedding at GLM-5.3-Flash's width (4096: four 1024-column CTAs a
+    row), int64 ids."""
+    from glm5_kernels.embed.triton_embed import embed_kernel
+
+    types = {"ids_ptr": "*i64", "table_ptr": "*bf16", "out_ptr": "*bf16", "stride_i": "i32",
+             "stride_t": "i32", "start": "i32", "V": "i32", "D": "i32"}  # fmt: skip
+    ptx = _compile(embed_kernel, types, {"BD": 1024, "PDL": True}, arch, num_warps=4)
+    assert "griddepcontrol.wait" in ptx and "st.local" not in ptx, "embed"
+    return 1
+
+
 if __name__ == "__main__":
     arch = int(sys.argv[1])
     print(f"triton {os.path.dirname(os.path.dirname(triton.__file__))} {triton.__version__}")
@@ -326,3 +338,4 @@ if __name__ == "__main__":
     print(f"sm{arch}: compiled {kda_cases(arch)} KDA kernels")
     dsa = dsa_cases(arch) + indexer_cases(arch) + kpool_cases(arch) + latent_cases(arch)
     print(f"sm{arch}: compiled {dsa} DSA kernels")
+    print(f"sm{arch}: compiled {embed_cases(arch)} embedding kernel")

@@ -90,3 +90,23 @@ def test_bad_input_names_every_problem():
         op(q, cache, table, request, bad)
     with pytest.raises(ValueError, match=r"L=48: a power of two"):
         SparseMlaDecode(torch.zeros(2, 8, 48).bfloat16(), scale=1.0)
+
+
+@pytest.mark.parametrize("heads, rows", [(16, 1), (5, 7)])
+def test_absorb_is_one_rounding_of_the_fp32_product(heads, rows):
+    """The query absorption q . W_uk (the nope parts, a strided view as the fused projection
+    leaves them) against FP64: one BF16 rounding of an FP32-accumulated dot product of 192
+    terms (2^-8 relative, a few FP32 ulps of the sum besides); W_uk in any layout."""
+    gen = torch.Generator().manual_seed(heads * rows)
+    nope = 192
+    w = torch.randn(heads, nope + VD, L, generator=gen).bfloat16() / 8  # kv_b's rows per head
+    q = torch.randn(rows, heads, nope + 8, generator=gen).bfloat16()[..., :nope]
+    op = SparseMlaDecode(w[:, nope:], 0.1, max_rows=8, w_uk=w[:, :nope].transpose(1, 2)
+                         .contiguous().transpose(1, 2))  # fmt: skip
+    got = op.absorb(q)
+    want = torch.einsum("nhp,hpl->nhl", q.double(), w[:, :nope].double())
+    assert got.shape == (rows, heads, L) and got.dtype == torch.bfloat16
+    scale = want.abs().amax(-1, keepdim=True)
+    assert ((got.double() - want).abs() <= 2**-8 * want.abs() + 2**-20 * scale).all()
+    with pytest.raises(ValueError, match="w_uk"):
+        SparseMlaDecode(w[:, nope:], 0.1, w_uk=w[:2, :nope])

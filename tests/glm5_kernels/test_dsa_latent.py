@@ -52,6 +52,24 @@ def test_matches_the_reference(n, q, ld):
     assert latent[others].isnan().all()  # no slot but the rows' written
 
 
+def test_padding_rows_write_nothing():
+    """vLLM pads a step's rows with slot -1: their query rows are normed, no cache row is
+    written (the last one least of all, where -1 would land)."""
+    gen = torch.Generator().manual_seed(3)
+    n, q, ld = 4, 48, 32
+    x, q_norm, kv_norm = _case(n, q, ld, gen)
+    slots = torch.tensor([5, -1, 2, -1])
+    latent = torch.full((7, ld), float("nan")).bfloat16()
+    want_latent = latent.clone()
+    want = latent_write_ref(x[:, :q], x[:, q : q + ld], q_norm, kv_norm, 1e-5, want_latent,
+                            slots)  # fmt: skip
+    got = LatentWrite(q_norm, kv_norm, 1e-5, max_rows=8)(x[:, :q], x[:, q : q + ld], latent,
+                                                         slots)  # fmt: skip
+    assert_bf16_close(got, want)
+    assert_bf16_close(latent[[5, 2]], want_latent[[5, 2]])
+    assert latent[[0, 1, 3, 4, 6]].isnan().all() and want_latent[[0, 1, 3, 4, 6]].isnan().all()
+
+
 def test_the_reference_is_the_models_rmsnorm():
     """The contract against torch's own RMSNorm module as transformers builds it (FP32
     variance, the normed row in the input dtype, then the weight)."""

@@ -106,6 +106,32 @@ def test_projection(m, n, k, split, out_dtype):
 
 
 @interpreter
+@pytest.mark.parametrize("m, n, k, split", [(1, 128, 1024, True), (5, 512, 128, False)])
+def test_block_diagonal_projection(m, n, k, split):
+    """Two projections in one launch (`blocks=2`): x [M, 2K] as two inputs side by side (a
+    strided column slice, as the KDA gates' f_a | g_a in the fused input projection's
+    output), each block of N/2 output columns from its own K columns; a tile may not straddle
+    blocks (refused)."""
+    gen = torch.Generator().manual_seed(m + n)
+    wide = torch.randn(m, 2 * k + 96, generator=gen).bfloat16()
+    x = wide[:, 32 : 32 + 2 * k]  # 16-byte aligned, rows strided
+    w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
+    op = Projection(w, None if split else (), blocks=2)
+    assert (op.tiles[m].split_k > 1) == split
+    y = op(x, out=poisoned(m, n, torch.bfloat16, "cpu"))
+    pairs = [(x[:, :k], w[: n // 2]), (x[:, k:], w[n // 2 :])]  # each block's input, weight
+    exact = torch.cat([linear_ref(h, wb, torch.float64) for h, wb in pairs], dim=1)
+    abs_product = torch.cat([linear_ref(h.abs(), wb.abs(), torch.float64) for h, wb in pairs], 1)
+    assert_linear_close(y, exact, abs_product, k, True)
+    with pytest.raises(ValueError, match=r"x: shape \(1, 128\), expected \[M, 256\]"):
+        Projection(w[:256, :128].contiguous(), blocks=2)(x[:1, :128])
+    with pytest.raises(ValueError, match="not a multiple of the column tiles"):
+        Projection(w[:20].contiguous(), blocks=2)
+    with pytest.raises(ValueError, match="blocks=3: must divide"):
+        Projection(w, blocks=3)
+
+
+@interpreter
 def test_router_is_fp32_and_splits():
     gen = torch.Generator().manual_seed(7)
     x, w = bf16_inputs(3, 288, 1024, "cpu", gen)

@@ -73,3 +73,4 @@ def test_kernels_compile(arch, triton):
     assert f"sm{arch}: compiled 12 mHC kernels" in child.stdout
     assert f"sm{arch}: compiled 7 KDA kernels" in child.stdout
     assert f"sm{arch}: compiled 8 DSA kernels" in child.stdout
+    assert f"sm{arch}: compiled 1 embedding kernel" in child.stdout

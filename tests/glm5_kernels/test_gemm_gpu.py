@@ -93,3 +93,64 @@ def test_capture_refuses_unprepared_token_count():
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="M=5 was not prepared"), torch.cuda.graph(graph):
         op(x)
+
+
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_a_pdl_chain_reads_what_its_predecessor_wrote(m):
+    """Issue 29's ordering pitfall: under programmatic dependent launch each skinny GEMM warms
+    L2 with its weights before its wait and releases its successor before its own stores,
+    so a successor whose input loads were hoisted above the wait (a Triton pipelining
+    hazard reported upstream) would read the previous replay's activations. Three chained
+    projections (the last FP32, split-K and not) in one CUDA graph, replayed with a new
+    input each time: every link equals the exact product of what the link before it wrote
+    on that replay, and a stale read (last replay's input) would miss by O(1)."""
+    from glm5_kernels.launch import use_pdl
+
+    assert use_pdl(torch.device("cuda")), "PDL off here (GLM5_PDL=0 or before SM90)"
+    gen = torch.Generator("cuda").manual_seed(m)
+    shapes = [(6144, 4096), (4096, 6144), (288, 4096)]  # (N, K): wide, deep, router-like
+    ops = [Projection((torch.randn(n, k, generator=gen, device="cuda") / k**0.5).bfloat16(),
+                      out_dtype=torch.float32 if i == 2 else torch.bfloat16)
+           for i, (n, k) in enumerate(shapes)]  # fmt: skip
+    for op in ops:
+        op.prepare([m])
+    x = torch.empty(m, 4096, dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        links = [x]
+        for op in ops:
+            links.append(op(links[-1]))
+    previous = None
+    for _ in range(6):
+        x.copy_(torch.randn(m, 4096, generator=gen, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for op, inp, out in zip(ops, links, links[1:], strict=True):
+            exact = linear_ref(inp, op.weight, torch.float64)
+            abs_product = inp.double().abs() @ op.weight.double().abs().T
+            assert_linear_close(out, exact, abs_product, op.k, out.dtype == torch.bfloat16)
+        if previous is not None:  # the inputs did change between replays
+            assert not torch.equal(previous, links[1])
+        previous = links[1].clone()
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_kda_gate_projections_in_one_launch(tp):
+    """The KDA gates' f_b and g_b at the real shapes (head dim 128 in, the rank's heads x 128
+    out each) as one two-block projection over f_a | g_a, adjacent columns of the fused
+    input projection's output: each block within its bound of its own exact product."""
+    from glm5_kernels.gemm.shapes import HIDDEN, KDA_HEAD_DIM, KDA_WIDTH
+
+    gen = torch.Generator("cuda").manual_seed(tp)
+    n, k = KDA_WIDTH // tp, KDA_HEAD_DIM
+    w = (torch.randn(2 * n, k, generator=gen, device="cuda") / k**0.5).bfloat16()
+    op = Projection(w, blocks=2)
+    for m in TOKENS:
+        wide = torch.randn(m, HIDDEN, generator=gen, device="cuda").bfloat16()
+        x = wide[:, 256 : 256 + 2 * k]  # the in_proj output's f_a | g_a columns
+        y = op(x, out=poisoned(m, 2 * n, torch.bfloat16, "cuda"))
+        for b in range(2):
+            xb, wb = x[:, b * k : (b + 1) * k], w[b * n : (b + 1) * n]
+            exact = linear_ref(xb, wb, torch.float64)
+            abs_product = linear_ref(xb.abs(), wb.abs(), torch.float64)
+            assert_linear_close(y[:, b * n : (b + 1) * n], exact, abs_product, k, True)

@@ -121,7 +121,7 @@ def test_default_tables_cover_every_stage_with_the_seeds_split(family):
     # the seed's CuTe LM head is not built, so no table names it.
     sm90_off, sm100_off = {"kda", "router", "shared_expert"}, {"kda", "dsa_attn", "dsa_indexer",
                                                                "dsa_kpool"}  # fmt: skip
-    off = {"logits_head"} | (sm90_off if family == "sm90" else sm100_off)
+    off = {"logits_head", "embed"} | (sm90_off if family == "sm90" else sm100_off)
     assert {stage for stage in STAGES if not policy.enabled(stage)} == off
     if family == "sm90":
         dsa = {"dsa_attn": "sparse", "dsa_indexer": "fused", "dsa_kpool": "fused"}

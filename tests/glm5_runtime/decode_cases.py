@@ -38,6 +38,7 @@ ALL_STAGES = {
             ("shared_expert", "gemv"),
             ("dense_mlp", "gemv"),
             ("logits_head", "skinny"),
+            ("embed", "gather"),
         ]
     },
 }
@@ -73,6 +74,7 @@ CALL_BOUND = {
     "MoeLayer": 2**-4, "KdaDecode": 2**-7, "KdaState": 2**-7, "SparseMlaDecode": 2**-7,
     "IndexerTopk": 0.0, "KpoolQueries": 2**-4, "KpoolPages": 2**-4, "LatentQuery": 2**-7,
     "LatentRows": 2**-7, "IndexerInputs": 2**-15, "KpoolTailNormed": 2**-8,
+    "AbsorbedQuery": 2**-7,
 }  # fmt: skip
 
 
@@ -96,6 +98,18 @@ class Shadow:
 
     def __getattr__(self, name):  # everything else is the op's (its sizes, its flags)
         return getattr(self.op, name)
+
+    def absorb(self, q):
+        """The MLA query absorption (SparseMlaDecode's) against the FP32 product with the
+        stock model's kv_b_proj key rows."""
+        y = self.op.absorb(q)
+        p = self.name.removesuffix("dsa_attn")
+        heads, nope = q.shape[1], q.shape[2]
+        kv_b = self.rank.w[p + "kv_b_proj.weight"].float()
+        w_uk = kv_b.view(heads, -1, kv_b.shape[1])[:, :nope]
+        ref = torch.einsum("nhp,hpl->nhl", q.float(), w_uk)
+        self.pairs.append(("AbsorbedQuery", self.name, y, ref))
+        return y
 
     def __call__(self, x, *args, **kw):
         if type(self.op).__name__ == "KdaDecode":
@@ -128,7 +142,11 @@ class Shadow:
                                  for n in parts], dim=-1)  # fmt: skip
                 self.pairs.append(("IndexerInputs", self.name, y, ref))
                 return y
-            if self.name.endswith(".gate.weight"):
+            if self.name.endswith(".f_b_g_b_proj"):  # two blocks: f_b on f_a, g_b on g_a
+                p, k = self.name.removesuffix("f_b_g_b_proj"), self.op.k
+                f = self.rank.linear(x[:, :k], p + "forget_gate.f_b_proj.weight")
+                ref = torch.cat([f, self.rank.linear(x[:, k:], p + "g_b_proj.weight")], dim=-1)
+            elif self.name.endswith(".gate.weight"):
                 ref = torch.nn.functional.linear(x.float(), self.rank.w[self.name].float())
             elif self.name.endswith(".weight"):
                 ref = self.rank.linear(x, self.name)
@@ -262,17 +280,37 @@ def record_choices(model) -> None:
 def record_stage_choices(stages, model) -> None:
     """From now on each MoE stage op of `stages` (a LayerStages over `model`) logs the experts
     its kernel picked to its rank's `choices` (`record_choices`: the stock path's), under the
-    layer's name, whether it finalizes or hands its rows to a boundary."""
+    layer's name, whether it finalizes or hands its rows to a boundary; each selection stage
+    op the tokens it selected, under the layer's indexer's name."""
     done = set()
     for routes in stages.routes.values():
-        for s, name, op in routes:
-            op = getattr(op, "op", op)  # under a Shadow
-            if type(op).__name__ != "MoeLayer":
+        for j, (s, name, op) in enumerate(routes):
+            inner = getattr(op, "op", op)  # under a Shadow
+            if type(inner).__name__ == "IndexerTopk":
+                layer = name.removesuffix(".self_attn.indexer.topk")
+                routes[j] = (s, name, _LoggedSelection(op, model.ranks[s], f"{layer}.indexer"))
+            if type(inner).__name__ != "MoeLayer":
                 continue
-            for experts in op.experts.values():
+            for experts in inner.experts.values():
                 if id(experts) not in done:
                     done.add(id(experts))
                     experts._run = _logged_run(experts._run, model.ranks[s], name)
+
+
+class _LoggedSelection:
+    """A selection stage op (or its Shadow) that logs each call's tokens to `rank.choices`."""
+
+    def __init__(self, op, rank, name):
+        self.op, self.rank, self.name = op, rank, name
+
+    def __getattr__(self, name):
+        return getattr(self.op, name)
+
+    def __call__(self, *args, **kw):
+        y = self.op(*args, **kw)
+        if hasattr(self.rank, "choices"):
+            self.rank.choices.append((self.name, y.long()))
+        return y
 
 
 def _logged_run(run, rank, name):

@@ -138,8 +138,18 @@ def test_the_planned_step_runs_in_its_owners_ranges_and_is_left_as_it_was(planne
         decode.compute_logits(decode.run(decision.step, ids, step))
     names = {e.name for e in p.events()}
     stages = {f"stage {decode.stage_of[id(op)]}" for _, _, op in decode.routes[1]}
-    assert stages | {"stage boundary", "stage logits_head", "stock mla"} <= names
-    assert "stage kda" in stages and "stock kda" not in names  # the KDA sublayer: all stage
+    assert stages | {"stage boundary", "stage logits_head"} <= names
+    # The KDA and MLA sublayers: all stage (the query absorption is the MLA stage's).
+    assert {"stage kda", "stage dsa_attn"} <= stages
+    assert not {"stock kda", "stock mla"} & names
+
+    def owner(event):  # the innermost stage or stock range around an op
+        while event is not None and not event.name.startswith(("stage ", "stock ")):
+            event = event.cpu_parent
+        return None if event is None else event.name
+
+    absorbs = [owner(e) for e in p.events() if e.name == "aten::bmm"]
+    assert absorbs and set(absorbs) == {"stage dsa_attn"}  # the query absorption's GEMM
     assert (decode.routes, decode.mhc, decode.head) == before[:3]
     assert model.ranks[0].__dict__.keys() == before[3].keys()
 

@@ -99,12 +99,17 @@ def test_tune_finds_each_size_s_fastest_choice(seed):
             # Each candidate was timed with only this stage changed: the differences are
             # the synthetic costs'.
             for c in candidates(stage):
-                want = step.cost[stage, c, m] - step.cost[stage, None, m]
+                # Stages tuned together move together: theirs are in the difference too.
+                together = tune.TOGETHER.get(stage, {})
+                moved = {stage: c} | {o: on if c else None for o, on in together.items()}
+                want = sum(step.cost[s, x, m] - step.cost[s, None, m] for s, x in moved.items())
                 assert ms[c] - ms[None] == pytest.approx(want), (stage, c, m)
             got, best = result["table"][stage][m], min(ms.values())
             assert ms[got] <= best * (1 + tune.TIE), (stage, m)  # within the band ...
             simpler = candidates(stage)[: candidates(stage).index(got)]
             assert all(ms[c] > best * (1 + tune.TIE) for c in simpler), (stage, m)  # simplest
+            for other, on in tune.TOGETHER.get(stage, {}).items():  # on and off as one
+                assert result["table"][other][m] == (on if got else None), (other, m)
     assert result["table"]["logits_gather"] == start["logits_gather"]  # not tuned
     # Two starting runs, every candidate once, the confirmation.
     assert step.calls == 2 + sum(len(candidates(s)) for s in tune.ORDER) + 1

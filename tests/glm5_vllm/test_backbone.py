@@ -11,8 +11,6 @@ loaded by vLLM's own loader from the reference's checkpoint.
 - the model binds SpecializedDecode after load_weights, runs vLLM's forward for steps the
   plan does not take, and plans FULL-graph decode captures."""
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -255,7 +253,8 @@ def test_kda_sublayer_runs_on_vllms_weights_caches_and_placement(built, monkeypa
     the step's GDN metadata (`kda_placement`, derived once for the step's KDA layers, None
     for a prefill). The runtime's sublayer (`sublayers.kda_attention`, the Triton
     interpreter) on a uniform verify and a plain decode (padded, as a graph's step), with
-    f_b and g_b as GEMMs (`fused`) and inside the core (`fused_gates`), equals the reference
+    f_b and g_b as GEMMs (`fused`: two, or one two-block launch) and inside the core
+    (`fused_gates`), equals the reference
     step (`kda_decode_ref`) over the checkpoint's weights; no forward of vLLM's is
     shadowed."""
     import torch.nn.functional as F
@@ -293,6 +292,8 @@ def test_kda_sublayer_runs_on_vllms_weights_caches_and_placement(built, monkeypa
                    "forget_gate.f_b_proj.weight": Projection(f_b),
                    "g_b_proj.weight": Projection(g_b)}  # fmt: skip
     gated = ops | {"kda": KdaDecode(**small, **constants, f_b=f_b, g_b=g_b)}
+    blocked = ops | {"kda": KdaDecode(**small, **constants),  # f_b and g_b in one launch
+                     "f_b_g_b_proj": Projection(torch.cat([f_b, g_b]), blocks=2)}  # fmt: skip
     attn = model.model.layers[i].self_attn
     h, k, width = g.linear_num_heads, g.linear_head_dim, g.linear_conv_kernel_dim
     gen = torch.Generator().manual_seed(5)
@@ -328,7 +329,8 @@ def test_kda_sublayer_runs_on_vllms_weights_caches_and_placement(built, monkeypa
             x = torch.randn(n + padding, g.hidden_size, generator=gen).bfloat16()
             place = b.kda_placement(step({attn.prefix: md}, n + padding), i)
             start = (conv.clone(), rec.clone())
-            for kind, sublayer in (("fused", fused), ("fused_gates", gated)):
+            for kind, sublayer in (("fused", fused), ("fused_gates", gated),
+                                   ("fused, two-block gates", blocked)):  # fmt: skip
                 conv.copy_(start[0])
                 rec.copy_(start[1])
                 caches = (conv.clone(), rec.clone())
@@ -358,297 +360,122 @@ def test_kda_sublayer_runs_on_vllms_weights_caches_and_placement(built, monkeypa
         assert b.kda_placement(step({}, 2), i) is None  # outside a forward context
 
 
-def test_dsa_attn_route_runs_the_sparse_stage_in_vllms_mla_layer(built, monkeypatch):
-    """The sparse MLA stage inside vLLM's MLA layer (seam 5): `Backbone.mla` from its
-    `MLAAttention`s (vLLM's NoPE sparse MLA: the reference's dims and softmax scale); routed,
-    vLLM's own MLA decode core (`forward_impl` with sparse metadata of decode rows, the
-    absorbed query from its W_UK_T) runs `SparseMlaDecode` (Triton interpreter) on the
-    layer's latent cache, the metadata's block table and each row's request and the
-    model-wide top-k buffer, writing the value-up output where vLLM's would — equal to the
-    attention over the checkpoint's kv_b_proj (`sparse_mla_decode_ref`); a prefill runs
-    vLLM's own forward_mqa; unrouted, the classes' methods are back."""
+def test_mla_sublayer_reads_vllms_caches_at_the_placement_of_its_metadata(built, monkeypatch):
+    """The MLA sublayer's translation (seam 5): `Backbone.mla` and `Backbone.indexer` from
+    vLLM's MLA layers and their indexers (the reference's constants); `mla_caches` the
+    tensors vLLM binds (latent pages, pool pages, tail ring), None where the pages hold
+    other blocks than the indexer's; `mla_placement` from real sparse-MLA and indexer
+    metadata and the forward context's slot mapping — a uniform verify of two live requests
+    and a padding one (its ring slot -1: ring row -1, which writes nothing), rows past the
+    step's (vLLM's padded rows) cut — derived once for the layers sharing the step's
+    metadata, afresh for the next step; None for a step with a prefill, padded requests,
+    non-uniform decodes, a latent block size that is not the cache's, or no metadata (no
+    forward context); where vLLM skips the indexer (`skip_topk`), the top-k buffer's rows as
+    the step's selection. The numerics through these: test_planned_step.py."""
     from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseMetadata
-
-    from glm5_kernels.dsa import SparseMlaDecode, sparse_mla_decode_ref
-    from glm5_runtime.reference.backbone import ReferenceBackbone
-
-    model, _, reference, sd = built
-    b = _backbone(built)
-    # The sparse stage's constants equal the reference's; vLLM's MLA modules run their own
-    # q_a / kv_a norms and latent write (no `LatentWrite` route: norm_eps None).
-    ref = ReferenceBackbone(reference).mla
-    assert b.mla is not None and b.mla == dataclasses.replace(ref, norm_eps=None)
-    assert ref.norm_eps == reference.g.rms_norm_eps
-    i, g = 3, reference.g
-    assert g.is_mla(i)
-    p = f"layers.{i}.self_attn"
-    attention = model.model.layers[i].self_attn.mla_attn.mla_attn
-    impl = attention.impl
-    h, nope, v, lat = attention.num_heads, b.mla.nope_dim, b.mla.v_dim, attention.kv_lora_rank
-    kv_b = b.weight(0, f"{p}.kv_b_proj.weight")  # what the runtime's dsa_attn builder reads
-    assert torch.equal(kv_b, sd[f"{p}.kv_b_proj.weight"].to(kv_b.dtype))
-    per_head = kv_b.view(h, nope + v, lat)
-    op = SparseMlaDecode(per_head[:, nope:].contiguous(), b.mla.scale, max_rows=8)
-    op.prepare()
-    gen = torch.Generator().manual_seed(11)
-    requests, q_len, bs, blocks, context = 3, 2, 16, 20, 40
-    n = requests * q_len
-    cache = torch.randn(blocks, bs, lat, generator=gen).bfloat16()
-    table = torch.randperm(blocks, generator=gen)[: requests * 4].view(requests, 4).int()
-    request = torch.arange(requests).repeat_interleave(q_len).int()
-    buffer = impl.topk_indices_buffer
-    saved = buffer[:n].clone()
-    # vLLM's indexer writes top-k + kpool - 1 columns of a row (the rest stays -1): the
-    # route reads only those; positions past them here must be ignored.
-    width = g.index_topk + g.index_kpool - 1
-    assert buffer.shape[1] > width
-    selected = torch.full((n, buffer.shape[1]), -1, dtype=torch.int32)
-    for r in range(n):  # a different selection a row, up to the width
-        count = 4 + r
-        selected[r, :count] = torch.randperm(context, generator=gen)[:count].int()
-    selected[:, width:] = torch.randint(0, context, (n, buffer.shape[1] - width), generator=gen)
-    buffer[:n] = selected
-    q = torch.randn(n, h, nope, generator=gen).bfloat16()
-    latent = torch.randn(n, lat, generator=gen).bfloat16()
-
-    def metadata(prefills: int):
-        return FlashMLASparseMetadata(
-            num_reqs=requests, max_query_len=q_len, max_seq_len=context, num_actual_tokens=n,
-            query_start_loc=torch.arange(0, n + 1, q_len, dtype=torch.int32),
-            slot_mapping=torch.zeros(n, dtype=torch.int64), num_decodes=requests - prefills,
-            num_decode_tokens=n - q_len * prefills, num_prefills=prefills, block_table=table,
-            req_id_per_token=request, block_size=bs,
-        )  # fmt: skip
-
-    def run(md):
-        out = torch.full((n, h * v), float("nan")).bfloat16()
-        attention.forward_impl(q, latent, latent[:, :0], cache, md, out)
-        return out
-
-    # The reference: the query absorbed with the checkpoint's key rows, the sparse attention
-    # over the same selection, the checkpoint's value rows.
-    w = sd[f"{p}.kv_b_proj.weight"].float().view(h, nope + v, lat)
-    q_lat = torch.einsum("nhd,hdl->nhl", q.float(), w[:, :nope]).bfloat16()
-    want = sparse_mla_decode_ref(q_lat, cache, table, request, selected[:, :width],
-                                 w[:, nope:].bfloat16(), b.mla.scale)  # fmt: skip
-    try:
-        with torch.no_grad():
-            b.route(0, f"{p}.dsa_attn", op)
-            assert {"forward_mqa"} <= set(vars(impl)) and "_v_up_proj" in vars(attention)
-            got = run(metadata(0)).view(n, h, v)
-            assert got.isfinite().all()
-            assert _rel(got, want) < 2**-7
-            # A prefill in the step: vLLM's own decode core (recorded here: its sparse
-            # kernels are GPU-only).
-            b.route(0, f"{p}.dsa_attn", None)
-            called = []
-
-            def stock_mqa(self, q, kv_cache, md, layer):
-                called.append(md)
-                return torch.zeros(q[0].shape[0], h, lat, dtype=q[0].dtype), None
-
-            monkeypatch.setattr(type(impl), "forward_mqa", stock_mqa)
-            b.route(0, f"{p}.dsa_attn", op)
-            prefill = metadata(1)
-            assert (run(prefill) == 0).all() and called == [prefill]
-            b.route(0, f"{p}.dsa_attn", None)
-            assert "forward_mqa" not in vars(impl) and "_v_up_proj" not in vars(attention)
-    finally:
-        buffer[:n] = saved
-
-
-def test_indexer_routes_run_the_pool_write_and_selection_in_vllms_indexer(built, monkeypatch):
-    """The indexer's pool-write and selection stages inside vLLM's indexer (seam 5):
-    `Backbone.indexer` from its indexers once their pool pages and rings are bound; routed
-    (both ops), a uniform verify of two live requests and a padding one under real
-    `DeepseekV32IndexerMetadata` (the pages' block table; the tail cache's slots) runs
-    vLLM's projections, `KpoolWrite` and `IndexerTopk` (Triton interpreter) on the bound
-    caches: the ring and pages as `kpool_write_ref` writes them from the checkpoint's
-    projections, the padding request writing nothing, and the top-k buffer's rows
-    `index_topk_ref`'s selection (-1 past its columns); the same with the input route (one
-    FP32 projection of vLLM's wk | weights_proj rows and the gate, the key norm inside the
-    write), each at the placement of the step the backbone hands it (`stepping`), derived
-    once for all the step's indexers; a prefill, or a call outside a step, runs vLLM's
-    forward; one op alone installs nothing."""
-    import torch.nn.functional as F
-    from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends.mla.indexer import (
         DeepSeekV32IndexerDecodeMetadata,
         DeepseekV32IndexerMetadata,
     )
 
-    from glm5_kernels.dsa import (
-        IndexerTopk,
-        KpoolWrite,
-        index_topk_ref,
-        kpool_write_ref,
-        pack_kpool_pages_ref,
-        rotate_quant_fp8_ref,
-        unpack_kpool_pages_ref,
-    )
     from glm5_runtime.protocol import Indexer
+    from glm5_runtime.reference.backbone import ReferenceBackbone
     from glm5_vllm.backbone import VllmStep
 
-    model, vllm_config, reference, sd = built
+    model, _, reference, _ = built
     g = reference.g
     h, hd, kp, topk = g.index_n_heads, g.index_head_dim, g.index_kpool, g.index_topk
     bs, blocks, ring, r, t = 16, 12, 8, 3, 3
+    n = r * t
     gen = torch.Generator().manual_seed(8)
     mla = [i for i in range(g.num_hidden_layers) if g.is_mla(i)]
-    indexers = [model.model.layers[i].self_attn.indexer for i in mla]
+    attns = [model.model.layers[i].self_attn for i in mla]
+    latent = torch.randn(blocks, bs, g.kv_lora_rank, generator=gen).bfloat16()
     pages = torch.zeros(blocks, bs // kp, hd + 4, dtype=torch.uint8)
     tail = torch.randn(6, 2, ring, hd, generator=gen).bfloat16()
-    for m in indexers:  # bound caches, as vLLM binds them before capture
-        monkeypatch.setattr(m.k_cache, "kv_cache", pages, raising=False)
-        monkeypatch.setattr(m.tail_cache, "kv_cache", tail, raising=False)
+    for a in attns:  # bound caches, as vLLM binds them before capture
+        monkeypatch.setattr(a.mla_attn.mla_attn, "kv_cache", latent, raising=False)
+        monkeypatch.setattr(a.indexer.k_cache, "kv_cache", pages, raising=False)
+        monkeypatch.setattr(a.indexer.tail_cache, "kv_cache", tail, raising=False)
     b = _backbone(built)
-    max_pools = indexers[0].max_pool_len
+    assert b.mla == ReferenceBackbone(reference).mla and b.mla.norm_eps == g.rms_norm_eps
+    max_pools = attns[0].indexer.max_pool_len
     assert b.indexer == Indexer(h, hd, kp, topk, True, max_pools, bs, key_norm_eps=1e-6)
     i = mla[0]
-    p = f"layers.{i}.self_attn.indexer"
-    indexer = indexers[0]
-    ape = b.weight(0, f"{p}.index_kpool_compress_ape")
-    assert torch.equal(ape, sd[f"{p}.index_kpool_compress_ape"].to(ape.dtype))
-    kpool = KpoolWrite(h, hd, ape, kpool=kp, block_size=bs, max_rows=9)
-    select = IndexerTopk(h, hd, kpool=kp, topk=topk, tail=True, max_rows=9,
-                         max_pools=max_pools, device="cpu")  # fmt: skip
-    # Three requests of 3 tokens (a verify): two live ones whose steps complete a pool and
-    # whose contexts hold more pools than top-k, and a padding one (no ring: slot -1).
+    caches = b.mla_caches(0, i)
+    assert (caches.latent, caches.pools, caches.ring) == (latent, pages, tail)
+    assert caches.selected is attns[0].indexer.topk_indices_buffer  # the drafter reads it
+    # A verify of 3 tokens for two live requests and a padding one (no ring: slot -1), and
+    # a padded row past them.
     last = torch.tensor([39, 27, 4])
     positions = (last[:, None] - t + 1 + torch.arange(t)).reshape(-1)
+    padded = torch.cat([positions, positions[:1]])
     table = torch.tensor([[3, 7, 1], [5, 2, 9], [0, 0, 0]]).int()
+    pool_table = torch.tensor([[4, 8, 2], [6, 3, 10], [0, 0, 0]]).int()
     tail_rows = torch.tensor([2, 4, -1])
-    n = r * t
     tail_slots = torch.where(tail_rows[:, None] >= 0, tail_rows[:, None] * ring
                              + positions.view(r, t) % ring, -1).reshape(-1)  # fmt: skip
-    keys = torch.randn(blocks, bs // kp, hd, generator=gen)
-    k8, ks = rotate_quant_fp8_ref(keys)  # earlier pools: valid FP8 keys and scales
-    pages.copy_(pack_kpool_pages_ref(k8, ks))
-    pages_before, tail_before = pages.clone(), tail.clone()
+    latent_slots = torch.cat([(table[:, :1].long() * bs + positions.view(r, t) % bs)
+                              .reshape(-1), torch.tensor([-1])])  # fmt: skip
+    request = torch.arange(r).repeat_interleave(t).int()
 
-    def metadata(prefills):
+    def metadata(prefills=0, padding=False, uniform=True, block_size=bs):
         decode = DeepSeekV32IndexerDecodeMetadata(
-            block_table=table, seq_lens=(last + 1).int(), decode_lens=torch.full((r,), t),
-            requires_padding=False, schedule_metadata=torch.empty(0),
+            block_table=pool_table, seq_lens=(last + 1).int(), decode_lens=torch.full((r,), t),
+            requires_padding=padding, schedule_metadata=torch.empty(0),
         )  # fmt: skip
+        decode.decode_is_uniform = uniform
+        counts = dict(num_decodes=r - prefills, num_decode_tokens=n - t * prefills,
+                      num_prefills=prefills)  # fmt: skip
         common = dict(seq_lens=(last + 1).int(), max_seq_len=int(last.max()) + 1,
-                      num_prefill_tokens=t * prefills)  # fmt: skip
-        md = DeepseekV32IndexerMetadata(
-            slot_mapping=torch.zeros(n, dtype=torch.int64), num_decodes=r - prefills,
-            num_decode_tokens=n - t * prefills, num_prefills=prefills, decode=decode, **common,
+                      num_prefill_tokens=t * prefills, **counts)  # fmt: skip
+        md = FlashMLASparseMetadata(
+            num_reqs=r, max_query_len=t, max_seq_len=int(last.max()) + 1, num_actual_tokens=n,
+            query_start_loc=torch.arange(0, n + 1, t).int(), slot_mapping=latent_slots,
+            block_table=table, req_id_per_token=request, block_size=block_size, **counts,
         )  # fmt: skip
-        tail_md = DeepseekV32IndexerMetadata(
-            slot_mapping=tail_slots, num_decodes=r - prefills, num_decode_tokens=n - t * prefills,
-            num_prefills=prefills, **common,
-        )  # fmt: skip
-        return {indexer.k_cache.prefix: md, indexer.tail_cache.prefix: tail_md}
+        pools = DeepseekV32IndexerMetadata(
+            slot_mapping=torch.zeros(n, dtype=torch.int64), decode=decode, **common
+        )
+        ring_md = DeepseekV32IndexerMetadata(slot_mapping=tail_slots, **common)
+        by_layer = {}  # one object a kind for every layer, as vLLM's builders share them
+        for a in attns:
+            by_layer[a.mla_attn.mla_attn.layer_name] = md
+            by_layer[a.indexer.k_cache.prefix] = pools
+            by_layer[a.indexer.tail_cache.prefix] = ring_md
+        slots = {a.mla_attn.mla_attn.layer_name: latent_slots for a in attns}
+        return VllmStep(padded, None, by_layer, slots)
 
-    x = torch.randn(n + 1, g.hidden_size, generator=gen).bfloat16()  # a padded row too
-    qr = torch.randn(n + 1, g.q_lora_rank, generator=gen).bfloat16()
-    buffer = indexer.topk_indices_buffer
-    saved = buffer[: n + 1].clone()
-    width = select.width
-    try:
-        with set_current_vllm_config(vllm_config), torch.no_grad():
-            b.route(0, f"{p}.kpool", kpool)
-            assert "forward" not in vars(indexer)  # one op alone: vLLM's forward
-            b.route(0, f"{p}.topk", select)
-            assert "forward" in vars(indexer)
-            buffer[: n + 1] = 12345
-            with b.stepping(VllmStep(positions, None, metadata(0))):
-                indexer(x, qr, torch.cat([positions, positions[:1]]), None)
-            # The reference from the checkpoint's weights.
-            w = {k: sd[f"{p}.{k}"].float() for k in ("wq_b.weight", "wk.weight",
-                 "k_norm.weight", "k_norm.bias", "weights_proj.weight",
-                 "index_kpool_compress_gate")}  # fmt: skip
-            xf, view = x[:n].float(), (lambda y: y.view(r, t, *y.shape[1:]))
-            q = view((qr[:n].float() @ w["wq_b.weight"].t()).bfloat16().view(n, h, hd))
-            k = F.layer_norm((xf @ w["wk.weight"].t()).bfloat16().float(), (hd,),
-                             w["k_norm.weight"], w["k_norm.bias"], 1e-6)  # fmt: skip
-            gate = (xf @ w["index_kpool_compress_gate"].t()).bfloat16()
-            weights = xf @ w["weights_proj.weight"].t()
-            tail_ref, pages_ref = tail_before.clone(), pages_before.clone()
-            q8, q_scale = kpool_write_ref(
-                view(k.bfloat16()),
-                view(gate),
-                q,
-                tail_ref,
-                pages_ref,
-                ape,
-                table,
-                positions.view(r, t),
-                tail_rows,
-                bs,
-            )
-
-            def check():
-                assert _rel(tail, tail_ref) < 2**-8 and torch.equal(tail[0], tail_before[0])
-                got = unpack_kpool_pages_ref(pages[1:])
-                want = unpack_kpool_pages_ref(pages_ref[1:])
-                deq = [kk.float() * sc[..., None] for kk, sc in (got, want)]
-                assert _rel(deq[0], deq[1]) < 2**-5  # FP8 codes of BF16 neighbours at most
-                assert torch.equal(pages[0], pages_before[0])  # the padding request: nothing
-                rows = index_topk_ref(q8.view(n, h, hd), q_scale.view(n, h), weights, pages,
-                                      table, torch.arange(r).repeat_interleave(t), positions,
-                                      topk=topk, kpool=kp, tail=True, width=width)  # fmt: skip
-                live = 2 * t  # the padding request's rows select from the null blocks
-                assert torch.equal(buffer[:live, :width].long(), rows[:live])
-                assert (buffer[:n, width:] == -1).all() and (buffer[n] == 12345).all()
-
-            check()
-            # With the input route: one FP32 projection over [wk; gate; weights_proj] (vLLM's
-            # rows: the checkpoint's) and the key norm inside the pool write, the same again.
-            from glm5_kernels.gemm import Projection
-
-            parts = ("wk.weight", "index_kpool_compress_gate", "weights_proj.weight")
-            stacked = torch.cat([b.weight(0, f"{p}.{n}") for n in parts])
-            assert torch.equal(stacked.float(), torch.cat([w[n] for n in parts]))
-            norm = (*(b.weight(0, f"{p}.k_norm.{n}") for n in ("weight", "bias")), 1e-6)
-            raw = KpoolWrite(h, hd, ape, kpool=kp, block_size=bs, max_rows=9, key_norm=norm)
-            b.route(0, f"{p}.kpool", raw)
-            assert "forward" not in vars(indexer)  # a write of sums needs its projection
-            b.route(0, f"{p}.inputs", Projection(stacked, max_tokens=9, out_dtype=torch.float32))
-            assert "forward" in vars(indexer)
-            tail.copy_(tail_before)
-            pages.copy_(pages_before)
-            buffer[: n + 1] = 12345
-            with b.stepping(VllmStep(positions, None, metadata(0))):
-                indexer(x, qr, torch.cat([positions, positions[:1]]), None)
-            check()
-            b.route(0, f"{p}.inputs", None)
-            assert "forward" not in vars(indexer)
-            b.route(0, f"{p}.kpool", kpool)
-            # The step's placement is derived once for all its indexers (shared metadata),
-            # again for the next step; outside a step the forward is vLLM's.
-            import glm5_vllm.indexer as indexer_module
-
-            second = indexers[1]
-            md, tail_md = metadata(0).values()
-            shared = {indexer.k_cache.prefix: md, indexer.tail_cache.prefix: tail_md,
-                      second.k_cache.prefix: md, second.tail_cache.prefix: tail_md}  # fmt: skip
-            step = VllmStep(positions, None, shared)
-            places = [indexer_module._placement(m, step, positions, kpool, select, None)
-                      for m in (indexer, second)]  # fmt: skip
-            assert places[0] is not None and places[0] is places[1]
-            again = indexer_module._placement(indexer, VllmStep(positions, None, shared),
-                                              positions, kpool, select, None)  # fmt: skip
-            assert again is not places[0] and torch.equal(again.tail_rows, places[0].tail_rows)
-            assert indexer_module._placement(indexer, None, positions, kpool, select, None) is None
-            # A prefill in the step: vLLM's own forward (recorded: its kernels are GPU-only).
-            b.route(0, f"{p}.topk", None)
-            assert "forward" not in vars(indexer)
-            called = []
-            monkeypatch.setattr(type(indexer), "forward", lambda self, *a: called.append(a))
-            b.route(0, f"{p}.topk", select)
-            with b.stepping(VllmStep(positions, None, metadata(1))):
-                indexer(x, qr, positions, None)
-            indexer(x, qr, positions, None)  # outside a step
-            assert len(called) == 2
-            for kind in ("kpool", "topk"):
-                b.route(0, f"{p}.{kind}", None)
-            assert "forward" not in vars(indexer)
-    finally:
-        buffer[: n + 1] = saved
+    step = metadata()
+    place = b.mla_placement(step, i)
+    assert torch.equal(place.slots, latent_slots[:n]) and place.slots.dtype == torch.int64
+    assert torch.equal(place.block_table, table) and torch.equal(place.request, request)
+    assert torch.equal(place.positions, positions.view(r, t))
+    assert torch.equal(place.pool_table, pool_table)
+    assert place.tail_rows.tolist() == [2, 4, -1]  # the padding request: no ring row
+    # Once a step for the layers sharing its metadata; afresh for the next step.
+    assert all(b.mla_placement(step, j) is place for j in mla)
+    again = b.mla_placement(metadata(), i)
+    assert again is not place and torch.equal(again.tail_rows, place.tail_rows)
+    # Steps the stage does not serve: vLLM's module runs.
+    assert b.mla_placement(metadata(prefills=1), i) is None
+    assert b.mla_placement(metadata(padding=True), i) is None
+    assert b.mla_placement(metadata(uniform=False), i) is None
+    assert b.mla_placement(metadata(block_size=2 * bs), i) is None
+    assert b.mla_placement(VllmStep(padded, None), i) is None  # outside a forward context
+    # vLLM skips the layer's indexer (its MTP drafter after step 0): the placement carries
+    # the buffer's rows step 0 left (compacted), which the layer attends; the buffer as it was.
+    buffer = attns[0].indexer.topk_indices_buffer
+    before = buffer.clone()
+    monkeypatch.setattr(attns[0].mla_attn, "skip_topk", True)
+    reused = b.mla_placement(metadata(), i)
+    width = topk + kp - 1
+    assert reused.selection.data_ptr() == buffer.data_ptr()
+    assert reused.selection.shape == (n, width) and torch.equal(reused.slots, place.slots)
+    assert torch.equal(buffer, before)
+    # Pool pages of other blocks than the indexer's: not the stage's caches.
+    monkeypatch.setattr(attns[0].indexer.k_cache, "kv_cache", pages[:, :1], raising=False)
+    assert b.mla_caches(0, i) is None
 
 
 def test_model_binds_the_specialized_decode_and_runs_stock_when_unplanned(built, monkeypatch):
@@ -680,7 +507,7 @@ def test_model_binds_the_specialized_decode_and_runs_stock_when_unplanned(built,
         f"layers.{i}.self_attn.{p}.weight"
         for i in range(g.num_hidden_layers)
         for p in (mla if g.is_mla(i) else kda)
-    } | {f"layers.{i}.self_attn.dsa_attn" for i in range(g.num_hidden_layers) if g.is_mla(i)}
+    }  # `dsa_attn` alone builds nothing: the MLA sublayer needs the indexer's stages too
     layer5 = model.model.layers[5].self_attn
     ops = {name: op for _, name, op in decode.routes[2]}
     assert ops["layers.5.self_attn.in_proj_qkvbfg_a.weight"].weight.data_ptr() == (
@@ -699,10 +526,6 @@ def test_model_binds_the_specialized_decode_and_runs_stock_when_unplanned(built,
                 routed_out = fused(x)[0]
             assert "forward" not in vars(fused)
         assert _rel(routed_out, stock) < 2**-8  # BF16 output rounding of another summation
-    core = layers[3].self_attn.mla_attn.mla_attn  # the sparse MLA stage's hooks, the same way
-    with decode.installed(2):
-        assert "_v_up_proj" in vars(core) and "forward_mqa" in vars(core.impl)
-    assert "_v_up_proj" not in vars(core) and "forward_mqa" not in vars(core.impl)
     calls = []
     monkeypatch.setattr(Stock, "forward", lambda self, *a, **k: calls.append(a) or "stock")
     model.glm5_specialized, model._glm5_prepared = decode, True

@@ -15,34 +15,23 @@ a FULL-graph capture (on CPU nothing captures: the test hands `plan` the capture
 rest comes from vLLM's forward context). About a minute on two cores.
 
 Every stage is on, vLLM's side and the reference's alike (their Triton kernels interpreted):
-the projections, the MoE layer (router to sum), the dense MLP, the fused KDA step, the
-indexer's pool write and selection, the sparse MLA decode, the mHC boundaries and the LM
-head. Where vLLM's own op is the one the planned step runs, on CPU:
-- the embedding, KDA's f_b / g_b / o_proj, the indexer's wk | weights_proj, key norm and
-  gate, the MLA query absorption (W_UK_T) and the latent cache write: vLLM's modules as its
-  decoder runs them, except three CPU stand-ins (`cpu_mla`): vLLM's fused q_a / kv_a RMSNorm
-  is a Triton kernel that vllm.triton_utils turns into a placeholder on a host without a GPU
-  driver, so its own unfused RMSNorm modules run (the same FP32 norm, rounded once as the
-  fused kernel does); the latent write `concat_and_cache_mla` is a CUDA op, so its torch
-  equivalent runs (the rows at the slot mapping, padding slots skipped); and the sparse
-  backend's "top-k ready" event (CUDA streams only) is not recorded;
-- the kernels' warm-up runs (`prepare` per op: compile and run once on zeros before
-  capture) are skipped on both sides, LayerStages.prepare's own bookkeeping kept: under the
-  interpreter they compile nothing and would run every kernel once more.
+the embedding, the projections, the MoE layer (router to sum), the dense MLP, the fused KDA
+step (f_b and g_b included), the MLA sublayer (its projections, input norms and latent
+write, the indexer's pool write and selection, the query absorption, the sparse attention
+and value-up), the mHC boundaries and the LM head: no op of vLLM's modules runs in the
+planned step, only their weights and caches are read. The kernels' warm-up runs (`prepare`
+per op: compile and run once on zeros before capture) are skipped on both sides,
+LayerStages.prepare's own bookkeeping kept: under the interpreter they compile nothing and
+would run every kernel once more.
 
 What is enforced, and why the bound is zero. Both steps run the same stage kernels on the
 same tensors: every weight a stage reads from vLLM equals the reference's (the same FP8
 codes and block scales, BF16 values; vLLM keeps the mHC weights in FP32, the reference the
 same numbers in BF16: vLLM's loading and post-processing keep the checkpoint's tensors),
-both start from the same cache contents, and both decodes install the same ops at the same
-sites. vLLM's remaining ops compute what the reference's do in the same order (the same BF16
-dot products, the indexer's wk as the first columns of vLLM's fused wk | weights_proj GEMM;
-RMSNorm rounding once after the FP32 normalization; the same FP32 key LayerNorm; the latent
-rows copied), with one exception: the indexer's FP32 head weights (vLLM's
-`x @ weights_proj^T` on a transposed copy, the reference's `F.linear`), which may differ by
-FP32 rounding but reach the step only through the discrete top-k selection. So each indexer
-call's selection must equal the reference's (a tie within one FP32 rounding is the only way
-it could not), and then no rounding differs anywhere: every row of the final hidden states
+both start from the same cache contents, both decodes install the same ops at the same
+sites, and both read the same placement: vLLM's from its metadata and slot mappings, the
+reference's from its own. So each indexer call's selection must equal the reference's, and
+no rounding differs anywhere: every row of the final hidden states
 [N, D] and of the logits [N, V], and every cache of every layer (KDA conv and recurrent
 state, latent pages, indexer pool pages and tail ring) must be bit-equal to the reference's,
 the rows the step writes among them (checked to have changed: the step wrote them on both
@@ -66,12 +55,13 @@ STAGES = {
         ("shared_expert", "gemv"), ("dense_mlp", "gemv"), ("moe", "per_route"),
         ("kda", "fused"), ("dsa_attn", "sparse"), ("dsa_kpool", "fused"),
         ("dsa_indexer", "fused"), ("boundary", "triton"), ("logits_head", "skinny"),
+        ("embed", "gather"),
     ]
 }  # fmt: skip
 # The router and shared expert stages do not build where the MoE stage serves the count:
 # it runs both inside its own launches.
-KINDS = {"Projection", "DenseMlp", "MoeLayer", "KdaDecode", "SparseMlaDecode", "KpoolWrite",
-         "IndexerTopk", "MhcBoundary"}  # fmt: skip
+KINDS = {"Projection", "DenseMlp", "MoeLayer", "KdaDecode", "SparseMlaDecode", "LatentWrite",
+         "KpoolWrite", "IndexerTopk", "MhcBoundary", "Embedding"}  # fmt: skip
 
 
 def _geometry():
@@ -90,30 +80,6 @@ def built(tmp_path_factory, cpu_linears):
 
     folder = tmp_path_factory.mktemp("glm5-vllm-planned")
     return build(folder, g=_geometry(), fp8=True, q=Q)  # on conftest's CPU platform
-
-
-def _concat_and_cache_mla(kv_c, k_pe, kv_cache, slot_mapping, kv_cache_dtype, scale,
-                          skip_scale=False):  # fmt: skip
-    """vLLM's `concat_and_cache_mla` (a CUDA op) for a BF16 cache: [kv_c | k_pe] into the
-    rows of the slot mapping, padding slots (-1) skipped."""
-    assert kv_cache_dtype == "auto", kv_cache_dtype
-    rows = kv_cache.view(-1, kv_cache.shape[-1])
-    slots = slot_mapping.flatten().long()
-    keep = slots >= 0
-    rows[slots[keep]] = torch.cat([kv_c, k_pe], dim=-1)[keep].to(rows.dtype)
-
-
-@pytest.fixture
-def cpu_mla(built, monkeypatch):
-    """The three CPU stand-ins of the module docstring, for this test only."""
-    import vllm._custom_ops as ops
-
-    model, g = built[0], built[2].g
-    monkeypatch.setattr(ops, "concat_and_cache_mla", _concat_and_cache_mla)
-    for i in g.mla_layers:
-        wrapper = model.model.layers[i].self_attn.mla_attn
-        monkeypatch.setattr(wrapper, "fuse_qkv_rmsnorm", False)
-        monkeypatch.setattr(wrapper.mla_attn.impl, "record_logical_topk_ready", lambda: None)
 
 
 def _caches(model, g):
@@ -260,11 +226,15 @@ class Counted:
 
 
 def _count(decode, tokens):
-    """Each route of `tokens`-token steps wrapped in Counted: {name: Counted}."""
+    """Each route of `tokens`-token steps and the embedding wrapped in Counted: {name:
+    Counted}."""
     counted = {}
     routes = decode.routes[tokens]
     for j, (shard, name, op) in enumerate(routes):
         routes[j] = (shard, name, counted.setdefault(name, Counted(op)))
+    ops = decode.embedding[tokens]  # the embedding: not a route, `run` calls it
+    decode.embedding[tokens] = [counted.setdefault(f"embed {j}", Counted(op))
+                                for j, op in enumerate(ops)]  # fmt: skip
     return counted
 
 
@@ -286,9 +256,7 @@ def _equal_rows(what, got, want):
         raise AssertionError(f"{what}: rows differ from the reference's (relative L2): {bad}")
 
 
-def test_a_planned_step_over_vllms_modules_equals_the_reference_backbones(
-    built, cpu_mla, monkeypatch
-):
+def test_a_planned_step_over_vllms_modules_equals_the_reference_backbones(built, monkeypatch):
     from vllm.config import CUDAGraphMode, set_current_vllm_config
     from vllm.forward_context import create_forward_context, override_forward_context
 
@@ -297,7 +265,7 @@ def test_a_planned_step_over_vllms_modules_equals_the_reference_backbones(
     from glm5_runtime.decode import SpecializedDecode
     from glm5_runtime.reference.backbone import ReferenceBackbone
     from glm5_vllm.backbone import VllmStep
-    from glm5_vllm.metadata import attention_metadata, step_context
+    from glm5_vllm.metadata import attention_metadata, slot_mappings, step_context
 
     model, vllm_config, reference, _ = built
     g = reference.g
@@ -314,11 +282,7 @@ def test_a_planned_step_over_vllms_modules_equals_the_reference_backbones(
     with set_current_vllm_config(vllm_config):
         decode = models._bind(model, config)
     assert decode is not None and not decode.backbone.refused
-    # The reference's MLA without its input-norm stage (`LatentWrite`): vLLM's modules run
-    # their own norms, so both sides build the same stage ops.
-    backbone = ReferenceBackbone(reference)
-    backbone.mla = dataclasses.replace(backbone.mla, norm_eps=None)
-    ours = SpecializedDecode(backbone, config)
+    ours = SpecializedDecode(ReferenceBackbone(reference), config)
     for d in (decode, ours):
         assert {type(op).__name__ for op, _ in d.ops} == KINDS
         _prepare(d)
@@ -347,7 +311,8 @@ def test_a_planned_step_over_vllms_modules_equals_the_reference_backbones(
     with set_current_vllm_config(vllm_config), torch.no_grad():
         with override_forward_context(context):
             seen = dataclasses.replace(step_context(n), capturing=True)  # nothing captures here
-            placement = VllmStep(step.positions.reshape(-1), seen, attention_metadata())
+            placement = VllmStep(step.positions.reshape(-1), seen, attention_metadata(),
+                                 slot_mappings())  # fmt: skip
             h_vllm = decode.forward(tokens.reshape(-1), placement, stock, capturing=True)
         model.glm5_specialized, model._glm5_prepared = decode, True
         try:
@@ -378,6 +343,14 @@ def test_a_planned_step_over_vllms_modules_equals_the_reference_backbones(
             kept = (want.reshape(n, -1) >= 0).sum(1)
             chose |= bool((kept < step.positions.reshape(-1) + 1).any())
     assert chose, "every selection kept the whole context"
+    # vLLM's model-wide top-k buffer holds the last layer's selection, -1 past its columns,
+    # as its own indexer op leaves it (its MTP drafter's later steps read it).
+    last = g.mla_layers[-1]
+    (want,) = counted["reference"][f"layers.{last}.self_attn.indexer.topk"].outputs
+    buffer = model.model.layers[last].self_attn.indexer.topk_indices_buffer
+    width = want.shape[-1]
+    _equal_rows("top-k buffer", buffer[:n, :width].long(), want.reshape(n, -1).long())
+    assert (buffer[:n, width:] == -1).all()
     _equal_rows("hidden states", h_vllm, h_ref.reshape(n, -1))
     _equal_rows("logits", logits_vllm, logits_ref.reshape(n, -1))
     got, want = _vllm_caches(model, g), _reference_caches(reference)

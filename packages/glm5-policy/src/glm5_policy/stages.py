@@ -47,6 +47,8 @@ STAGES: MappingProxyType[str, frozenset[str]] = MappingProxyType(
         "logits_gather": frozenset({"nvlink"}),
         # The LM head GEMM as glm5-kernels' skinny GEMM.
         "logits_head": frozenset({"skinny"}),
+        # The vocab-parallel token embedding (the masked row lookup) in one launch.
+        "embed": frozenset({"gather"}),
     }
 )
 

@@ -1,33 +1,34 @@
 """The specialized decode over a backbone: one routing decision per step (`plan`), then
 every layer's stages in one loop, captured once per token count in a FULL CUDA graph.
 
-Stages come from the policy per stage and token count. The whole-MLP stages and the KDA
-stage are sublayers the layer loop runs itself (`mlp`, `attention`; each shard's ops on the
-sublayer's input, the partial outputs summed by the backbone's `all_reduce`); the others
-stand in for a stock op of the backbone through its routes (by weight name or module
-prefix) while a planned step of a token count they serve runs, so every op without a stage
-stays the backbone's own:
+Stages come from the policy per stage and token count. The whole-sublayer stages are run
+by the layer loop itself (`mlp`, `attention`; each shard's ops on the sublayer's input, the
+partial outputs summed by the backbone's `all_reduce`); the others stand in for one stock
+GEMM (or the shared expert's MLP) of the backbone through its routes (by weight name or
+module prefix) while a planned step of a token count they serve runs, inside a sublayer no
+whole-sublayer stage serves:
   * `dense_mlp` (`DenseMlp`) and `moe`, whole sublayers: the block-FP8 SwiGLU MLP, and the
     whole MoE layer (router, routing, routed + shared experts, summed) as one `MoeLayer` in
     four launches, its experts `MegaExperts` (`per_route`) or `GroupedExperts` (`grouped`)
     per token count; the `router` and `shared_expert` stages serve only the token counts it
     does not (where it cannot build, its whole sublayer runs stock);
-  * glm5-kernels' skinny GEMMs: `dsa_proj` (the MLA q_a / kv_a / q_b / o_proj and indexer
-    wq_b projections; one op over a fused q_a | kv_a weight where the backbone holds one),
-    `kda_proj` (KDA q / k / v and o_proj), `router` (the MoE gate, FP32 logits), and the
-    shared expert's block-FP8 SwiGLU MLP (`shared_expert`: `SharedExpert`);
-  * `kda`, a whole sublayer (`attention`): each KDA layer's fused projection, f_b / g_b,
-    conv -> gates -> delta rule -> gated norm as one `KdaDecode` launch, and o_proj
-    (`sublayers.kda_attention`), on the backbone's KDA caches at the step's neutral
-    placement; `kda_proj` serves only the counts it does not;
-  * `dsa_attn`: each MLA layer's attention over the indexer's selection and its value-up
-    (`SparseMlaDecode`), and where the backbone offers them its q_a / kv_a RMSNorms and
-    latent write (`LatentWrite`); `dsa_kpool` (`KpoolWrite`: the pool write and query
-    rotation; where the backbone offers it, the key / gate / head-weight projection before it
-    as one FP32 `Projection`, the key norm inside the write) and `dsa_indexer` (`IndexerTopk`:
-    pool scoring and top-k) on each layer with its own indexer (a shared-indexer layer reuses
-    the previous selection).
-The others are called by the decode itself: `logits_head` (the skinny LM head of
+  * `kda`, a whole sublayer (`sublayers.kda_attention`): each KDA layer's fused projection,
+    f_b / g_b, conv -> gates -> delta rule -> gated norm as one `KdaDecode` launch, and
+    o_proj, on the backbone's KDA caches at the step's neutral placement;
+  * `dsa_attn`, `dsa_kpool` and `dsa_indexer` together, a whole sublayer
+    (`sublayers.mla_attention`): each MLA layer's fused q_a | kv_a projection, input norms
+    and latent write (`LatentWrite`), q_b, the query absorption and the attention over the
+    indexer's selection with its value-up (`SparseMlaDecode`), o_proj (`dsa_attn`); a full
+    indexer's key | gate | head-weight projection and pool write (`KpoolWrite`: `dsa_kpool`)
+    and selection (`IndexerTopk`: `dsa_indexer`); a shared-indexer layer reuses the last
+    full layer's selection;
+  * glm5-kernels' skinny GEMMs where no whole sublayer serves: `dsa_proj` (the MLA q_a /
+    kv_a / q_b / o_proj and indexer wq_b projections; one op over a fused q_a | kv_a weight
+    where the backbone holds one), `kda_proj` (KDA q / k / v and o_proj), `router` (the MoE
+    gate, FP32 logits), and the shared expert's block-FP8 SwiGLU MLP (`shared_expert`:
+    `SharedExpert`).
+The others are called by the decode itself: `embed` (the token embedding, `Embedding`: each
+shard's vocab-parallel rows in one launch), `logits_head` (the skinny LM head of
 `compute_logits`), `logits_gather` (the logits' all-gather through mailboxes where the vocab
 shards live in other processes) and `boundary`, which replaces the loop's mHC boundaries
 (post, pre, norm: dozens of stock kernels each) with one `MhcBoundary` kernel each: the first
@@ -51,6 +52,7 @@ from torch import Tensor
 
 from glm5_comm import AllReduceBoundary, LogitsGather, MailboxWatch
 from glm5_kernels.dsa import IndexerTopk, KpoolWrite, LatentWrite, SparseMlaDecode
+from glm5_kernels.embed import Embedding
 from glm5_kernels.gemm import DenseMlp, Projection, Router
 from glm5_kernels.kda import KdaDecode
 from glm5_kernels.mhc import MhcBoundary
@@ -60,7 +62,14 @@ from glm5_policy import DecodeConfig, Policy
 
 from .plan import Plan, Step, StepContext, plan
 from .protocol import Backbone
-from .sublayers import KDA_PARTS, kda_attention
+from .sublayers import (
+    GATES_B,
+    INDEXER_PARTS,
+    KDA_PARTS,
+    MLA_PARTS,
+    kda_attention,
+    mla_attention,
+)
 
 __all__ = ["LayerStages", "SpecializedDecode"]
 
@@ -69,6 +78,20 @@ logger = logging.getLogger("glm5_runtime")
 DSA_PROJECTIONS = ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "o_proj", "indexer.wq_b")
 KDA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 KDA_CORES = ("fused", "fused_gates")  # the `kda` choices: the whole KDA sublayer a stage
+MLA_STAGES, MLA_CHOICES = ("dsa_attn", "dsa_kpool", "dsa_indexer"), ("sparse", "fused", "fused")
+
+
+def _gate_projections(f_b: Tensor, g_b: Tensor, tokens: list[int]) -> Projection | None:
+    """The KDA gates' up-projections f_b and g_b as one two-block `Projection` (their inputs
+    f_a | g_a are adjacent columns of the fused input projection's output; a copy of both
+    weights, 2 x 0.5 MB a layer at TP 4), None where their shapes differ or the tiles would
+    straddle the blocks (then two launches)."""
+    if f_b.shape != g_b.shape or f_b.dtype != g_b.dtype:
+        return None
+    try:
+        return Projection(torch.cat([f_b, g_b]), tokens, blocks=2)
+    except ValueError:
+        return None
 
 
 def _stacked(a: Tensor, b: Tensor) -> Tensor:
@@ -98,9 +121,14 @@ class LayerStages:
         self.routes: dict[int, list[tuple[int, str, Any]]] = {b: [] for b in self.batches}
         self.sublayers: set[str] = set()
         self._serving: dict[tuple[int, str], Any] = {}  # `installed`: the sublayers' ops
+        # The step's last full indexer selection per shard, for the shared-indexer layers.
+        self._selections: dict[int, Tensor] = {}
         self.ops: list[tuple[Any, list[int]]] = []  # (op, its token counts) to prepare
         self.stage_of: dict[int, str] = {}  # id(op) -> its policy stage
-        self._build("dsa_proj", self._projections("mla", DSA_PROJECTIONS))
+        # Where the MLA stages all serve a token count, the MLA sublayer is theirs,
+        # projections included (`mla_counts`); `dsa_proj` serves only the other counts.
+        self.mla_counts = self._mla_counts()
+        self._build("dsa_proj", self._projections("mla", DSA_PROJECTIONS), skip=self.mla_counts)
         # Where `kda` serves a token count the KDA sublayer is its own, projections included.
         sublayer = {b for b in self.batches if self.policy("kda", b) in KDA_CORES}
         self._build("kda_proj", self._projections("kda", KDA_PROJECTIONS), skip=sublayer)
@@ -113,9 +141,27 @@ class LayerStages:
         self._build("dense_mlp", self._mlps("dense", "mlp", DenseMlp, sublayer=True))
         self._build("moe", self._moe)
         self._build("kda", self._kda, choice=KDA_CORES)
-        self._build("dsa_attn", self._dsa_attn, choice="sparse")
-        self._build("dsa_kpool", self._dsa_kpool, choice="fused")
-        self._build("dsa_indexer", self._dsa_indexer, choice="fused")
+        others = [b for b in self.batches if b not in self.mla_counts]
+        self._build("dsa_attn", self._dsa_attn, choice="sparse", skip=others)
+        self._build("dsa_kpool", self._dsa_kpool, choice="fused", skip=others)
+        self._build("dsa_indexer", self._dsa_indexer, choice="fused", skip=others)
+        # The token embedding: each shard's vocab-parallel rows in one launch.
+        self.embedding: dict[int, list[Embedding]] = {}
+        self._build("embed", self._embeddings, choice="gather")
+
+    def _mla_counts(self) -> frozenset[int]:
+        """The token counts whose MLA sublayers are stage objects: where `dsa_attn`,
+        `dsa_kpool` and `dsa_indexer` all serve (the attention reads the indexer's selection,
+        which reads the pools the write keeps). One warning where a policy picks some of
+        them only: there MLA runs stock."""
+        picks = {b: [self.policy(s, b) for s in MLA_STAGES] for b in self.batches}
+        counts = frozenset(b for b, p in picks.items() if p == list(MLA_CHOICES))
+        partial = [b for b, p in picks.items() if b not in counts and any(p)]
+        if partial and any(x.attention == "mla" for x in self.layers):
+            logger.warning("Specialized decode: %s serve the MLA sublayer together; at %s "
+                           "tokens the policy picks some of them only, and MLA runs stock",
+                           ", ".join(MLA_STAGES), partial)  # fmt: skip
+        return counts
 
     def _build(self, stage: str, build: Callable[[list[int]], None], choice=None,
                skip=frozenset()) -> None:  # fmt: skip
@@ -232,7 +278,8 @@ class LayerStages:
 
     def _kda(self, tokens: list[int]) -> None:
         """Each KDA layer's attention as one sublayer the loop runs (`attention`): the fused
-        input projection, f_b and g_b (`fused`) or none (`fused_gates`: inside the core),
+        input projection, f_b and g_b (`fused`: one two-block launch) or none (`fused_gates`:
+        inside the core),
         the core — conv -> gates -> delta rule -> gated norm, one `KdaDecode` launch — and
         o_proj (`sublayers.kda_attention`), on the backbone's KDA caches at the step's
         neutral placement; one core a layer for each choice the token counts take."""
@@ -262,29 +309,36 @@ class LayerStages:
                     )  # fmt: skip
                     self._add(core, counts, shard, f"{p}.kda", sublayer=True)
                 parts = {"in_proj_qkvbfg_a.weight": (in_proj, tokens), "o_proj.weight":
-                         (o_proj, tokens), "forget_gate.f_b_proj.weight": (f_b, split),
-                         "g_b_proj.weight": (g_b, split)}  # fmt: skip
+                         (o_proj, tokens)}  # fmt: skip
+                gates = _gate_projections(f_b, g_b, split) if split else None
+                if gates is not None:  # f_b and g_b in one launch, two blocks
+                    self._add(gates, split, shard, f"{p}.{GATES_B}", sublayer=True)
+                elif split:
+                    parts |= {"forget_gate.f_b_proj.weight": (f_b, split),
+                              "g_b_proj.weight": (g_b, split)}  # fmt: skip
                 for n, (weight, counts) in parts.items():
-                    if counts:
-                        self._add(Projection(weight, counts), counts, shard, f"{p}.{n}",
-                                  sublayer=True)  # fmt: skip
+                    self._add(Projection(weight, counts), counts, shard, f"{p}.{n}",
+                              sublayer=True)  # fmt: skip
                 width = conv.shape[0] + a_log.numel() + f_b.shape[1] + g_b.shape[1]
                 if in_proj.shape[0] != width:
                     raise ValueError(f"{p}.in_proj_qkvbfg_a.weight: {in_proj.shape[0]} rows, "
                                      f"q | k | v | b | f_a | g_a are {width}")  # fmt: skip
 
     def _dsa_attn(self, tokens: list[int]) -> None:
-        """Each MLA layer's attention over the indexer's selection and its value-up as one
-        `SparseMlaDecode` (two launches), between the absorbed query and o_proj (route
-        `self_attn.dsa_attn`); the value-up is the stage's second launch. Where the backbone
-        offers them (`Mla.norm_eps`) and its norms are BF16, the layer's q_a / kv_a RMSNorms
-        and latent write too, as one `LatentWrite` launch (route `self_attn.latent`)."""
+        """Each MLA layer's attention as one sublayer the loop runs (`attention`,
+        `sublayers.mla_attention`): the fused q_a | kv_a projection, its input norms and
+        latent write (`LatentWrite`, one launch), q_b, the query absorption and the attention
+        over the indexer's selection with its value-up (`SparseMlaDecode`), o_proj; a full
+        indexer layer's query projection wq_b too (its pool write and selection are the
+        `dsa_kpool` and `dsa_indexer` stages')."""
         b = self.backbone
         mla = b.mla
-        if mla is None:
-            raise ValueError(
-                "the backbone's MLA layers do not take the sparse stage (Backbone.mla)"
-            )
+        if mla is None or mla.norm_eps is None:
+            raise ValueError("the backbone's MLA layers do not take the sublayer stage "
+                             "(Backbone.mla, with the input norms' eps)")  # fmt: skip
+        if "fused_qkv_a_proj" not in b.fused_projections:
+            raise ValueError("the backbone holds q_a and kv_a apart: the latent write reads "
+                             "them as one projection's columns")  # fmt: skip
         for layer in (x for x in self.layers if x.attention == "mla"):
             for shard in b.shards:
                 p = f"layers.{layer.index}.self_attn"
@@ -295,17 +349,24 @@ class LayerStages:
                     scale = b.weight(shard, f"{p}.kv_b_proj.weight_scale_inv")
                     w = dequantize_fp8_block_ref(w, scale, dtype=torch.bfloat16)
                 split = mla.nope_dim + mla.v_dim
-                w_uv = w.view(w.shape[0] // split, split, w.shape[1])[:, mla.nope_dim :]
-                op = SparseMlaDecode(w_uv.to(torch.bfloat16), mla.scale, max_rows=max(tokens))
-                self._add(op, tokens, shard, f"{p}.dsa_attn")
-                if mla.norm_eps is None:
-                    continue
+                per_head = w.to(torch.bfloat16).view(w.shape[0] // split, split, w.shape[1])
+                op = SparseMlaDecode(per_head[:, mla.nope_dim :], mla.scale, max_rows=max(tokens),
+                                     w_uk=per_head[:, : mla.nope_dim])  # fmt: skip
+                self._add(op, tokens, shard, f"{p}.dsa_attn", sublayer=True)
                 norms = [b.weight(shard, f"{p}.{n}_layernorm.weight") for n in ("q_a", "kv_a")]
                 if any(t is None for t in norms):
                     raise ValueError(f"no {p}.q_a_layernorm.weight / kv_a_layernorm.weight")
-                if all(t.dtype == torch.bfloat16 for t in norms):  # else: the stock norms
-                    op = LatentWrite(*norms, mla.norm_eps, max_rows=max(tokens))
-                    self._add(op, tokens, shard, f"{p}.latent")
+                op = LatentWrite(*norms, mla.norm_eps, max_rows=max(tokens))
+                self._add(op, tokens, shard, f"{p}.latent", sublayer=True)
+                names = ["fused_qkv_a_proj", "q_b_proj", "o_proj", "indexer.wq_b"]
+                for n in names:
+                    weight = b.weight(shard, f"{p}.{n}.weight")
+                    if weight is None and n == "indexer.wq_b":
+                        continue  # a shared-indexer layer
+                    if weight is None:
+                        raise ValueError(f"no {p}.{n}.weight")
+                    self._add(Projection(weight, tokens), tokens, shard, f"{p}.{n}.weight",
+                              sublayer=True)  # fmt: skip
 
     def _indexers(self, stage: str):
         """(shard, prefix, its pool bias `index_kpool_compress_ape`) of every full indexer
@@ -322,22 +383,22 @@ class LayerStages:
                     yield shard, p, ape
 
     def _dsa_kpool(self, tokens: list[int]) -> None:
-        """Each full indexer layer's pool write (ring, compressed FP8 pool keys) and query
-        rotation as one `KpoolWrite` launch (route `self_attn.indexer.kpool`). Where the
-        backbone offers it (`Indexer.key_norm_eps`), the key, gate score and head weights
-        before it as one FP32 `Projection` over [wk; compress gate; weights_proj] (route
-        `.indexer.inputs`; the head weights are the selection's FP32 columns), the key norm
-        and the BF16 roundings inside the write: two launches for a dozen stock kernels."""
+        """Each full indexer layer's key, gate score and head weights as one FP32
+        `Projection` over [wk; compress gate; weights_proj] (`.indexer.inputs`), and its pool
+        write (ring, compressed FP8 pool keys; the key norm and BF16 roundings inside) and
+        query rotation as one `KpoolWrite` launch (`.indexer.kpool`): two launches of the
+        MLA sublayer for a dozen stock kernels."""
         ix = self.backbone.indexer
+        if ix is not None and ix.key_norm_eps is None:
+            raise ValueError("the backbone's indexers do not take one projection of wk | "
+                             "compress gate | weights_proj (Indexer.key_norm_eps)")  # fmt: skip
         for shard, p, ape in self._indexers("dsa_kpool"):
-            norm = None
-            if ix.key_norm_eps is not None:
-                weight, norm = self._indexer_inputs(shard, p, ix.key_norm_eps)
-                self._add(Projection(weight, tokens, out_dtype=torch.float32), tokens, shard,
-                          f"{p}.inputs")  # fmt: skip
+            weight, norm = self._indexer_inputs(shard, p, ix.key_norm_eps)
+            self._add(Projection(weight, tokens, out_dtype=torch.float32), tokens, shard,
+                      f"{p}.inputs", sublayer=True)  # fmt: skip
             op = KpoolWrite(ix.heads, ix.head_dim, ape, kpool=ix.kpool, block_size=ix.block_size,
                             max_rows=max(tokens), key_norm=norm)  # fmt: skip
-            self._add(op, tokens, shard, f"{p}.kpool")
+            self._add(op, tokens, shard, f"{p}.kpool", sublayer=True)
 
     def _indexer_inputs(self, shard: int, p: str, eps: float):
         """[wk; compress gate; weights_proj] as one BF16 weight (a copy: the backbone keeps
@@ -360,13 +421,13 @@ class LayerStages:
 
     def _dsa_indexer(self, tokens: list[int]) -> None:
         """Each full indexer layer's pool scoring and top-k selection as one `IndexerTopk`
-        launch, after the pool write (route `self_attn.indexer.topk`; vLLM's FP8 pages)."""
+        launch of the MLA sublayer, after the pool write (`.indexer.topk`; vLLM's FP8 pages)."""
         ix = self.backbone.indexer
         for shard, p, ape in self._indexers("dsa_indexer"):
             op = IndexerTopk(ix.heads, ix.head_dim, kpool=ix.kpool, topk=ix.topk, tail=ix.tail,
                              max_rows=max(tokens), max_pools=ix.max_pools,
                              device=ape.device)  # fmt: skip
-            self._add(op, tokens, shard, f"{p}.topk")
+            self._add(op, tokens, shard, f"{p}.topk", sublayer=True)
 
     def prepare(self) -> set[str]:
         """Compile every stage op for its token counts (before any CUDA-graph capture). A
@@ -381,6 +442,8 @@ class LayerStages:
                     failed[stage] = f"{type(e).__name__}: {e}"
         for stage, error in failed.items():
             logger.warning("Specialized decode: stage %s runs stock (%s)", stage, error)
+        if "embed" in failed:
+            self.embedding = {}
         gone = {id(op) for op, _ in self.ops if self.stage_of[id(op)] in failed}
         self.ops = [(op, t) for op, t in self.ops if id(op) not in gone]
         self.routes = {b: [r for r in rs if id(r[2]) not in gone] for b, rs in self.routes.items()}
@@ -395,12 +458,36 @@ class LayerStages:
         for shard, name, op in routes:
             self.backbone.route(shard, name, op)
         saved, self._serving = self._serving, serving
+        selections, self._selections = self._selections, {}
         try:
             yield
         finally:
-            self._serving = saved
+            self._serving, self._selections = saved, selections
             for shard, name, _ in routes:
                 self.backbone.route(shard, name, None)
+
+    def _embeddings(self, tokens: list[int]) -> None:
+        b = self.backbone
+        found = {s: b.embedding(s) for s in b.shards}
+        if any(f is None for f in found.values()):
+            raise ValueError("the backbone's embedding is not a vocab-parallel table "
+                             "(Backbone.embedding)")  # fmt: skip
+        ops = [Embedding(*found[s], max_tokens=max(tokens)) for s in b.shards]
+        for op in ops:
+            self._add(op, tokens, None, None)  # not a route: `run` calls it
+        self.embedding = {m: ops for m in tokens}
+
+    def _embed(self, tokens: Tensor, step: Step) -> Tensor:
+        """The step's embeddings: the `embed` stage's where it serves the count (each shard's
+        partial, summed by the backbone's `all_reduce`, or this process's partial where
+        the boundaries reduce it), else the backbone's."""
+        ops = self.embedding.get(step.tokens)
+        if ops is None or tokens.numel() != step.tokens:
+            return self.backbone.embed(tokens)
+        if self.partial(step.tokens):
+            (op,) = ops  # one shard a process (`_mailbox`)
+            return op(tokens)
+        return self.backbone.all_reduce([op(tokens) for op in ops])
 
     def partial(self, tokens: int) -> bool:
         """Whether sublayers leave their outputs TP-partial for a fused boundary."""
@@ -419,13 +506,52 @@ class LayerStages:
 
     def attention(self, layer, x: Tensor, placement: Any) -> Tensor:
         """The layer's attention output, reduced or, where `partial`, this process's
-        TP-partial one: a KDA layer's whole sublayer where the `kda` stage serves the step,
+        TP-partial one: a KDA or MLA layer's whole sublayer where its stages serve the step,
         else the backbone's attention (projections routed per the policy)."""
-        if layer.attention == "kda":
-            out = self._kda_sublayer(layer, x, placement)
-            if out is not None:
-                return out
+        whole = self._kda_sublayer if layer.attention == "kda" else self._mla_sublayer
+        out = whole(layer, x, placement)
+        if out is not None:
+            return out
         return self._sublayer(x, lambda s: self.backbone.attention(s, layer.index, x, placement))
+
+    def _mla_sublayer(self, layer, x: Tensor, placement: Any) -> Tensor | None:
+        """`sublayers.mla_attention` on each shard, or None where the stages do not serve this
+        step (no ops installed for its count, a step the placement does not cover, caches
+        they do not read, a shared-indexer layer after a stock one). A full indexer layer's
+        selection is kept for the shared layers after it (`_selections`, per shard); where the
+        placement carries a selection (the indexers skipped), every layer attends that."""
+        b, p = self.backbone, f"layers.{layer.index}.self_attn"
+        ops = {s: {n: self._serving.get((s, f"{p}.{n}")) for n in MLA_PARTS} for s in b.shards}
+        # A full indexer layer: the `dsa_attn` stage built its query projection (wq_b).
+        full = {s: o["indexer.wq_b.weight"] is not None for s, o in ops.items()}
+        needed = {s: MLA_PARTS if full[s] else MLA_PARTS[: -len(INDEXER_PARTS)] for s in ops}
+        if x.dtype != torch.bfloat16 or any(
+            ops[s][name] is None for s in ops for name in needed[s]
+        ):
+            return None
+        m = x.numel() // x.shape[-1]
+        place = b.mla_placement(placement, layer.index)
+        if place is None:
+            return None
+        reuse = place.selection is not None  # the indexers skipped: the step's selection
+        if not reuse and any(not full[s] and s not in self._selections for s in ops):
+            return None  # a shared-indexer layer after a stock one
+        caches = {s: b.mla_caches(s, layer.index) for s in b.shards}
+        if any(c is None or (full[s] and not reuse and (c.pools is None or c.ring is None))
+               for s, c in caches.items()):  # fmt: skip
+            return None
+        n = place.request.shape[0]
+        if not all(op.supports(m if name.endswith(".weight") else n)
+                   for o in ops.values() for name, op in o.items() if op is not None):  # fmt: skip
+            return None
+        rows = x.reshape(m, x.shape[-1]).contiguous()
+
+        def shard_output(s: int) -> Tensor:
+            shared = place.selection if reuse else None if full[s] else self._selections[s]
+            y, self._selections[s] = mla_attention(rows, ops[s], caches[s], place, shared)
+            return y.view(*x.shape[:-1], -1)
+
+        return self._sublayer(x, shard_output, stage=True)
 
     def _kda_sublayer(self, layer, x: Tensor, placement: Any) -> Tensor | None:
         """`sublayers.kda_attention` on each shard, or None where the stage does not serve
@@ -585,11 +711,11 @@ class SpecializedDecode(LayerStages):
             if self.partial(step.tokens):  # the backbone's all-reduces off once a step
                 self.watch.check()
                 with b.unreduced():  # the embedding too: summed in the first boundary
-                    x = b.embed(tokens) if embeds is None else embeds
+                    x = self._embed(tokens, step) if embeds is None else embeds
                     out = self._fused_boundaries(x, placement, embedded=embeds is None)
                 self.watch.record()
                 return out
-            x = b.embed(tokens) if embeds is None else embeds
+            x = self._embed(tokens, step) if embeds is None else embeds
             if self.mhc is not None and step.tokens in self.mhc_tokens:
                 return self._fused_boundaries(x, placement)
             shape = x.shape

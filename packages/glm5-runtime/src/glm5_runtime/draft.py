@@ -126,6 +126,8 @@ class SpecializedDraft(LayerStages):
             self.watch.record()
             return out
         with self.installed(step.tokens):
+            if embeds is None and tokens is not None:  # the `embed` stage's, where it serves
+                embeds = self._embed(tokens, step)
             x = b.draft_input(k, tokens, hidden, placement, embeds)
             x = b.linear(b.shards[0], f"{p}.eh_proj.weight", x)  # replicated: one shard's
             a = self.attention(layer, b.norm(f"{p}.input_layernorm.weight", x), placement)
@@ -150,7 +152,9 @@ class SpecializedDraft(LayerStages):
         shape, d = hidden.shape, hidden.shape[-1]
         positions = b.positions(placement).reshape(-1)
         with self.installed(step.tokens):
-            x = embed_norm(b.embed(tokens).reshape(-1, d), positions, hidden.reshape(-1, d))
+            x = embed_norm(
+                self._embed(tokens, step).reshape(-1, d), positions, hidden.reshape(-1, d)
+            )  # this process's partial, summed inside
             x = b.linear(b.shards[0], f"{p}.eh_proj.weight", x)  # replicated: one shard's
             x_in = b.norm(f"{p}.input_layernorm.weight", x).view(shape)
             a = self.attention(layer, x_in, placement).reshape(-1, d)

@@ -46,6 +46,7 @@ _LAUNCH = ("cuda_runtime", "cuda_driver")
 # and caches).
 _HOLDS = {
     ".kda": ("conv1d.", "forget_gate.dt_bias", "forget_gate.A_log", "o_norm."),
+    ".f_b_g_b_proj": ("forget_gate.f_b_proj.", "g_b_proj."),
     ".dsa_attn": ("kv_b_proj.",),
     ".latent": ("q_a_layernorm.", "kv_a_layernorm."),
     ".indexer.kpool": ("indexer.index_kpool_compress_ape",),
@@ -58,7 +59,7 @@ class _Named:
     """A stage op that runs inside a profiler range named for its stage (the boundary's
     entry points too); everything else is the op's own."""
 
-    ENTRIES = ("expand_pre", "post_pre", "head")
+    ENTRIES = ("expand_pre", "post_pre", "head", "absorb")  # the boundary's, the MLA query's
 
     def __init__(self, op: Any, label: str):
         self._op, self._label = op, label
@@ -86,8 +87,8 @@ def _ranged(method: Callable, label: str) -> Callable:
 @contextmanager
 def owners(model: ReferenceModel, decode=None) -> Iterator[None]:
     """While open, every kernel a step launches does so inside a range naming its owner:
-    the decode's stage ops (routes, boundaries, head, gather) `stage <policy stage>`, the
-    reference's stage methods `stock <method>`."""
+    the decode's stage ops (routes and sublayers' ops, boundaries, embedding, head, gather)
+    `stage <policy stage>`, the reference's stage methods `stock <method>`."""
     named: dict[int, _Named] = {}
 
     def wrap(op):
@@ -97,7 +98,7 @@ def owners(model: ReferenceModel, decode=None) -> Iterator[None]:
             named[id(op)] = _Named(op, STAGE + decode.stage_of.get(id(op), "unnamed"))
         return named[id(op)]
 
-    keys = ("routes", "mhc", "exchange", "head", "logits_gather")
+    keys = ("routes", "mhc", "exchange", "head", "logits_gather", "embedding")
     saved = {k: getattr(decode, k) for k in keys} if decode is not None else {}
     if decode is not None:
         decode.routes = {b: [(s, n, wrap(op)) for s, n, op in rs]
@@ -105,6 +106,7 @@ def owners(model: ReferenceModel, decode=None) -> Iterator[None]:
         decode.mhc, decode.exchange = wrap(saved["mhc"]), wrap(saved["exchange"])
         decode.head = {b: [wrap(op) for op in ops] for b, ops in saved["head"].items()}
         decode.logits_gather = wrap(saved["logits_gather"])
+        decode.embedding = {b: [wrap(op) for op in ops] for b, ops in saved["embedding"].items()}
     methods = [(rank, name, rank.__dict__.get(name)) for rank in model.ranks for name in STAGES]
     for rank, name, _ in methods:
         setattr(rank, name, _ranged(getattr(rank, name), STOCK + name))

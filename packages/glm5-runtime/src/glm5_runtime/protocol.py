@@ -33,7 +33,18 @@ from .plan import Rows
 if TYPE_CHECKING:
     from glm5_comm import Mailbox
 
-__all__ = ["Backbone", "Indexer", "Kda", "KdaPlacement", "Layer", "Mla", "Route", "Routing"]
+__all__ = [
+    "Backbone",
+    "Indexer",
+    "Kda",
+    "KdaPlacement",
+    "Layer",
+    "Mla",
+    "MlaCaches",
+    "MlaPlacement",
+    "Route",
+    "Routing",
+]
 
 
 @dataclass(frozen=True)
@@ -67,10 +78,10 @@ class Kda:
 
 @dataclass(frozen=True)
 class Mla:
-    """What the sparse MLA stage needs besides weights: the per-head split of kv_b_proj's
-    rows (nope key dims, then value dims) and the softmax scale; `norm_eps`: the q_a / kv_a
-    RMSNorms' eps where the backbone's MLA layers also take the stage's input norms and latent
-    write (route `self_attn.latent`), None where its modules run their own."""
+    """What the MLA sublayer stage needs besides weights, caches and placement: the per-head
+    split of kv_b_proj's rows (nope key dims, then value dims), the softmax scale and the
+    q_a / kv_a RMSNorms' eps (None: norms the stage's latent write cannot take; MLA then
+    stays stock)."""
 
     nope_dim: int
     v_dim: int
@@ -83,9 +94,9 @@ class Indexer:
     """What the indexer's pool write and selection stages need: its heads and head dim,
     tokens a pool, tokens selected, whether the incomplete last pool is always selected (its
     kpool - 1 tokens follow), the most pools a request's block table holds, and the cache's
-    tokens a block. `key_norm_eps`: the key LayerNorm's eps where the backbone's indexers also
-    take one FP32 projection of wk | compress gate | weights_proj (route `indexer.inputs`)
-    and a pool write that norms the key itself; None where its modules project their own."""
+    tokens a block; `key_norm_eps`: the key LayerNorm's eps (the pool write norms the key
+    from one FP32 projection of wk | compress gate | weights_proj), None where the indexers'
+    weights are not in that form (MLA then stays stock)."""
 
     heads: int
     head_dim: int
@@ -114,6 +125,40 @@ class KdaPlacement:
     def kwargs(self) -> dict:
         """The fused KDA stage's placement keywords."""
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class MlaPlacement:
+    """A step's MLA cache placement in neutral tensors (seam 5), R requests x T tokens, N =
+    R * T rows: slots [N] (each row's latent cache slot, block * block_size + offset),
+    block_table [R, B] (the latent pages of each request), request [N] (each row's request),
+    positions [R, T]; the indexer's: pool_table [R, B'] (its pool pages' blocks) and
+    tail_rows [R] (each request's ring row, -1: a padding request, which writes nothing).
+    `selection` [N, W]: token positions the step's layers attend without running their
+    indexers (vLLM's MTP drafter after its step 0 reuses that step's), else None."""
+
+    slots: Tensor
+    block_table: Tensor
+    request: Tensor
+    positions: Tensor
+    pool_table: Tensor
+    tail_rows: Tensor
+    selection: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class MlaCaches:
+    """An MLA layer's caches as the MLA sublayer stage writes and reads them: latent pages
+    [blocks, block_size, L] BF16; the indexer's pool pages [blocks, S, hd + 4] uint8 (FP8 keys
+    and their scales, vLLM's layout) and tail ring [rows, 2, ring, hd] BF16 (None for a
+    shared-indexer layer, which keeps none); `selected`: where the backbone's own paths read
+    the last selection from ([rows, >= W] int32, vLLM's model-wide top-k buffer: its MTP
+    drafter's later steps reuse it), the step's rows written there too; None: nowhere."""
+
+    latent: Tensor
+    pools: Tensor | None
+    ring: Tensor | None
+    selected: Tensor | None = None
 
 
 class Route(Protocol):
@@ -152,27 +197,19 @@ class Backbone(Protocol):
     # `o_proj.weight`, `conv1d.weight`, `forget_gate.dt_bias`, `forget_gate.A_log`,
     # `o_norm.weight`. None: KDA stays stock.
     kda: Kda | None
-    # Where the backbone's MLA layers take the sparse MLA stage (seam 5): the route
-    # `layers.{i}.self_attn.dsa_attn` gets the absorbed query [N, H, L] BF16, the layer's
-    # latent cache [blocks, block_size, L], the step's block table, each row's request and the
-    # indexer's selected token positions [N, W] (-1: none), and returns the value-up output
-    # [N, H, v_dim] o_proj reads; its weight `layers.{i}.self_attn.kv_b_proj.weight`. With
-    # `Mla.norm_eps`, the route `layers.{i}.self_attn.latent` gets the fused q_a | kv_a
-    # output's two halves [N, Q], [N, L] (adjacent columns of the same rows), the latent
-    # cache as [slots, L] and each row's slot [N] int64, writes the normed kv_a there and
-    # returns the normed q_a [N, Q] (weights `q_a_layernorm.weight`, `kv_a_layernorm.weight`).
-    # None: the attention core stays stock.
+    # Where the backbone's MLA layers take the MLA sublayer stage (seam 5: the layer loop runs
+    # it whole, `sublayers.mla_attention`, on `mla_caches` at `mla_placement`): with
+    # `Mla.norm_eps` given, its weights under `layers.{i}.self_attn.`: the fused
+    # `fused_qkv_a_proj.weight` (q_a | kv_a rows, BF16), `q_a_layernorm.weight`,
+    # `kv_a_layernorm.weight`, `q_b_proj.weight`, `kv_b_proj.weight` (per head: nope key rows,
+    # then value rows; BF16 or block-FP8), `o_proj.weight`. None: MLA stays stock.
     mla: Mla | None
-    # Where the backbone's full indexer layers take the selection stage (seam 5): the route
-    # `layers.{i}.self_attn.indexer.topk` gets the rotated FP8 queries [N, H, hd], their
-    # scales and head weights [N, H] FP32, the layer's pool pages [blocks, S, hd + 4] uint8,
-    # the step's block table, each row's request and position, and returns the selected
-    # token positions [N, topk (+ kpool - 1)] (glm5_kernels.dsa.index_topk_ref); the route
-    # `layers.{i}.self_attn.indexer.kpool` gets the step's normed keys and gate scores
-    # [R, T, hd], the queries [R, T, H, hd], the layer's ring and pool pages (it writes both),
-    # the block table, positions [R, T] and each request's ring row, and returns the rotated
-    # FP8 queries and their scales (glm5_kernels.dsa.kpool_write_ref); its weight
-    # `layers.{i}.self_attn.indexer.index_kpool_compress_ape`. None: both stay stock.
+    # The indexer's constants for the MLA sublayer's pool write and selection; a full
+    # indexer layer's weights under `layers.{i}.self_attn.indexer.`: `wq_b.weight`,
+    # `wk.weight`, `index_kpool_compress_gate`, `weights_proj.weight` (BF16 [N, hidden]: one
+    # FP32 projection of the three), `k_norm.weight` / `.bias`, `index_kpool_compress_ape`; a
+    # shared-indexer layer has none and takes the last full layer's selection. None (or no
+    # `Indexer.key_norm_eps`): MLA stays stock.
     indexer: Indexer | None
     aux_layers: tuple[int, ...]  # layers whose hidden states a drafter collects
     # Attention weights holding several HF projections in one tensor, as the backbone runs
@@ -194,6 +231,11 @@ class Backbone(Protocol):
 
     def rows(self, placement: Any) -> Mapping[str, Rows]:
         """Each layer's step metadata as row counts."""
+
+    def embedding(self, shard: int) -> tuple[Tensor, int] | None:
+        """Shard `shard`'s vocab-parallel embedding rows [V, D] BF16 and the first token id
+        they hold (ids outside them: zero rows, summed over the shards by the all-reduce),
+        as the `embed` stage reads them; None where the embedding is not such a table."""
 
     # Stock operations.
     def embed(self, tokens: Tensor) -> Tensor:
@@ -225,6 +267,15 @@ class Backbone(Protocol):
     def kda_placement(self, placement: Any, layer: int) -> KdaPlacement | None:
         """The step's neutral KDA placement for `layer` (seam 5), derived once a step; None
         where the step is not a plain decode or a uniform verify (the sublayer runs stock)."""
+
+    def mla_caches(self, shard: int, layer: int) -> MlaCaches | None:
+        """MLA layer `layer`'s caches of shard `shard` (written in place), None where they
+        are in a layout the MLA sublayer stage does not read (an FP8 latent cache, BF16
+        pool keys): the sublayer then runs stock."""
+
+    def mla_placement(self, placement: Any, layer: int) -> MlaPlacement | None:
+        """The step's neutral MLA placement for `layer`, derived once a step; None where the
+        step is not a plain decode or a uniform verify (the sublayer runs stock)."""
 
     def reduce(self, partials: Sequence[Tensor]) -> Tensor:
         """The reduced output of the shards' `attention` / `mlp` outputs: their TP
@@ -277,5 +328,7 @@ class Backbone(Protocol):
         """RMSNorm with weight `name` and the model's eps."""
 
     def route(self, shard: int, name: str, op: Route | Callable | None) -> None:
-        """Run `op` for the stock op `name` of shard `shard` (None: stock again). Names are
-        the HF weight of a linear, an MLP's prefix, or a router's weight."""
+        """Run `op` for the stock op `name` of shard `shard` (None: stock again): one stock
+        GEMM (or the shared expert's MLP) substituted inside a sublayer no whole-sublayer
+        stage serves. Names are the HF weight of a linear, an MLP's prefix, or a router's
+        weight."""

@@ -8,8 +8,9 @@ fastest is kept; a choice within the noise of the fastest loses to a simpler one
 neighbours launch and read (a fused KDA step removes the stock ops around it; PDL overlaps
 one kernel's loads with the last one's tail), and the step's time is what the table is for.
 Each size's step reads only that size's entries, so one build of a candidate times every
-size. Noise: the starting table timed twice; a size's tie band is the larger of `TIE` and
-twice that run-to-run difference. The chosen table is then timed beside the starting one
+size. Stages that serve one sublayer together are timed as one (`TOGETHER`: the MLA
+stages). Noise: the starting table timed twice; a size's tie band is the larger of `TIE`
+and twice that run-to-run difference. The chosen table is then timed beside the starting one
 (the confirmation) and written with the measurements, command, GPU, commit and date; its
 `policy` is what `bench --policy` and the plugin's `"policy"` take.
 
@@ -43,10 +44,13 @@ SIMPLER = {"boundary": ("triton", "cute"), "kda": ("fused", "fused_gates"),
            "moe": ("per_route", "grouped")}  # fmt: skip
 # The order stages are tuned in: the ones that own most of the step first; moe before the
 # router and shared expert it runs inside its own launches where it serves a size.
-ORDER = ("moe", "boundary", "kda", "kda_proj", "dsa_attn", "dsa_indexer", "dsa_kpool",
-         "dsa_proj", "router", "shared_expert", "dense_mlp", "logits_head")  # fmt: skip
+ORDER = ("moe", "boundary", "kda", "kda_proj", "dsa_attn", "dsa_proj", "router",
+         "shared_expert", "dense_mlp", "logits_head", "embed")  # fmt: skip
 KEPT = frozenset({"logits_gather"})  # not measurable on one GPU
-assert set(ORDER) | KEPT == set(STAGES)
+# Stages that serve one sublayer together, tuned as one: the first's choice on sets the
+# others' (the MLA sublayer: its attention, pool write and selection), stock sets them stock.
+TOGETHER = {"dsa_attn": {"dsa_kpool": "fused", "dsa_indexer": "fused"}}
+assert set(ORDER) | KEPT | {s for g in TOGETHER.values() for s in g} == set(STAGES)
 
 
 def candidates(stage: str) -> list[str | None]:
@@ -172,7 +176,7 @@ def tune(
             if progress:
                 progress(done, total, f"{stage}: {label}")
             done += 1
-            trial = {**table, stage: dict.fromkeys(sizes, choice)}
+            trial = {**table, **_chosen(stage, dict.fromkeys(sizes, choice))}
             try:
                 ms, built, said = time_table(trial)
             except Exception as e:  # a candidate that cannot run is a measurement too
@@ -186,8 +190,8 @@ def tune(
             for m in sizes:
                 times[m][choice] = ms[m]
         # A size where nothing ran keeps its choice (the error is in `runs`).
-        table[stage] = {m: pick(times[m], band[m]) if times[m] else table[stage][m]
-                        for m in sizes}  # fmt: skip
+        table.update(_chosen(stage, {m: pick(times[m], band[m]) if times[m] else table[stage][m]
+                                     for m in sizes}))  # fmt: skip
         measured[stage] = {"candidates": runs, "picked": table[stage]}
         if checkpoint:
             checkpoint({"table": table, "stages": measured, "noise": noise, "tie_band": band,
@@ -200,6 +204,15 @@ def tune(
     confirm = {m: {"start_ms": start_ms[m], "tuned_ms": tuned[m]} for m in sizes}
     return {"table": table, "stages": measured, "noise": noise, "tie_band": band,
             "start_ms": start_ms, "confirm": confirm}  # fmt: skip
+
+
+def _chosen(stage: str, by_size: dict[int, str | None]) -> Table:
+    """The table entries a stage's choice per size sets: its own and, for the first of
+    stages that serve together (`TOGETHER`), the others' (on where it is on)."""
+    out: Table = {stage: by_size}
+    for other, on in TOGETHER.get(stage, {}).items():
+        out[other] = {m: on if c is not None else None for m, c in by_size.items()}
+    return out
 
 
 def resumed(saved: dict, sizes: Sequence[int]) -> tuple[Table, dict]:

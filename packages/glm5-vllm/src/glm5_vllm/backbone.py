@@ -15,16 +15,14 @@ sizes, FP8 block scales by whole 128-row blocks. A linear's weights are read onl
 `layouts.linear_layout` identifies as served; any other is None (the stage leaves that
 module to vLLM) and is recorded in `refused` for one warning per layout.
 
-A route makes a module's forward run a stage op (an instance attribute that shadows the
-class's forward; removing it restores vLLM's): a whole linear (all-reduced when the module
-is row-parallel and reduces), one part of a fused linear (the other parts keep vLLM's
-weights), the MoE gate (cast to the gate's output dtype), or the shared expert's MLP
-block. The sparse MLA route (`layers.{i}.self_attn.dsa_attn`) shadows the MLA attention's
-decode core (`mla.install_sparse_mla`); the indexer routes
-(`layers.{i}.self_attn.indexer.kpool` and `.topk`, both needed, and `.inputs` where the
-pool write takes its sums) the indexer's forward (`indexer.install_indexer`). A KDA layer
-the `kda` stage serves takes no route: the runtime runs it whole over its weights, its
-caches (`kda_caches`) and the step's placement (`kda_placement`).
+A KDA or MLA layer whose stages serve a step takes no route: the runtime runs its attention
+whole over its weights, its caches (`kda_caches`, `mla_caches`) and the step's neutral
+placement (`kda_placement`, `mla_placement`), derived from vLLM's metadata once a step. A
+route makes a module's forward run one stage op where no whole-sublayer stage serves (an
+instance attribute that shadows the class's forward; removing it restores vLLM's): a whole
+linear (all-reduced when the module is row-parallel and reduces), one part of a fused linear
+(the other parts keep vLLM's weights), the MoE gate (cast to the gate's output dtype), or
+the shared expert's MLP block.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -41,13 +39,13 @@ from torch import Tensor, nn
 
 from glm5_kernels.mhc import MhcConfig
 from glm5_runtime.plan import Rows, StepContext
-from glm5_runtime.protocol import Layer, Routing
+from glm5_runtime.protocol import Layer, MlaCaches, Routing
 
-from .indexer import indexer_constants, install_indexer
+from .indexer import indexer_constants
 from .kda import KDA_CONV, KDA_MODULES, KDA_WEIGHTS, kda_constants
 from .layouts import Layout, expert_layout, linear_layout
 from .metadata import kda_placement
-from .mla import install_sparse_mla, mla_constants, uninstall_sparse_mla
+from .mla import mla_constants, mla_placement
 
 __all__ = ["VllmBackbone", "VllmDraftBackbone", "VllmStep"]
 
@@ -86,14 +84,15 @@ FUSED_ATTENTION = {
 class VllmStep:
     """One vLLM forward's placement, built once a step (glm5_vllm.models) and handed to every
     layer: its positions, the routing decision's view of vLLM's forward context (token
-    count, per-layer metadata as row counts) and vLLM's per-layer attention metadata (by
-    layer prefix; empty outside a forward context). The stages' neutral placements are
-    derived from the metadata once a step (`once`): a step's KDA layers share one metadata
-    object, and so do its indexers."""
+    count, per-layer metadata as row counts), vLLM's per-layer attention metadata and the
+    forward context's cache slot mappings (both by layer name; empty outside a forward
+    context). The stages' neutral placements are derived from them once a step (`once`): a
+    step's KDA layers share one metadata object, and so do its MLA layers and indexers."""
 
     positions: Tensor
     context: StepContext
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    slot_mapping: Mapping[str, Tensor] = field(default_factory=dict)
     _derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     def once(self, kind: str, sources: tuple, derive: Callable[[], Any]) -> Any:
@@ -127,19 +126,14 @@ class VllmBackbone:
         self._hc = config.hc_mult
         self.kda = kda_constants([self.decoder.layers[x.index].self_attn for x in self.layers
                          if x.attention == "kda"])  # fmt: skip
-        # The sparse MLA stage runs inside vLLM's MLA layers (mla.py), the indexer's pool
-        # write and selection inside vLLM's indexers (indexer.py).
+        # The MLA sublayer stage over vLLM's MLA layers (mla.py) and their indexers (indexer.py).
         mla = [x.index for x in (*self.layers, *self.draft_layers) if x.attention == "mla"]
-        self.mla = mla_constants([self._mla_attention(i) for i in mla])
+        self.mla = mla_constants([self._module(f"layers.{i}.self_attn") for i in mla])
         self.indexer = indexer_constants([self._module(f"layers.{i}.self_attn.indexer")
                                           for i in mla])  # fmt: skip
         self.mhc = _mhc(config, [self.decoder.layers[x.index] for x in self.layers],
                         getattr(self.decoder, "norm", None))  # fmt: skip
         self._routes: dict[nn.Module, dict[int | None, Any]] = {}
-        self._indexer_ops: dict[nn.Module, dict[str, Any]] = {}  # an indexer -> its stages
-        # The step whose attention runs (`stepping`): the stages inside vLLM's modules (the
-        # indexer's) read its placement; None between layers.
-        self._step: VllmStep | None = None
         # Layouts no stage reads -> the modules (vLLM names) whose weights were asked for.
         self.refused: dict[Layout, list[str]] = {}
 
@@ -151,10 +145,6 @@ class VllmBackbone:
             for i, layer in enumerate(self.decoder.layers)
         )
         return tuple(getattr(self.decoder, "aux_hidden_state_layers", ()) or ()), layers, ()
-
-    def _mla_attention(self, layer: int) -> nn.Module | None:
-        """Layer `layer`'s `MLAAttention` (the wrapper's core: latent cache, impl)."""
-        return self._module(f"layers.{layer}.self_attn.mla_attn.mla_attn")
 
     # Weights.
     def _module(self, path: str) -> nn.Module | None:
@@ -266,6 +256,25 @@ class VllmBackbone:
     def draft_rows(self, placement: VllmStep) -> Mapping[str, Rows]:
         return placement.context.rows
 
+    def embedding(self, shard: int) -> tuple[Tensor, int] | None:
+        """The vocab-parallel embedding's rows of this rank's original-vocabulary shard (a view
+        of vLLM's weight) and their first token id, where the embedding is unquantized BF16
+        with no added vocabulary (LoRA tokens)."""
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            UnquantizedEmbeddingMethod,
+        )
+
+        module = self.decoder.embed_tokens
+        weight = getattr(module, "weight", None)
+        idx = getattr(module, "shard_indices", None)
+        if (not isinstance(getattr(module, "quant_method", None), UnquantizedEmbeddingMethod)
+                or not isinstance(weight, Tensor) or weight.dtype != torch.bfloat16
+                or weight.dim() != 2 or idx is None
+                or idx.added_vocab_end_index != idx.added_vocab_start_index):  # fmt: skip
+            return None
+        rows = idx.org_vocab_end_index - idx.org_vocab_start_index
+        return weight.data[:rows], int(idx.org_vocab_start_index)
+
     # Stock operations (vLLM's modules).
     def embed(self, tokens: Tensor) -> Tensor:
         return self.decoder.embed_tokens(tokens)
@@ -295,8 +304,7 @@ class VllmBackbone:
 
     def attention(self, shard: int, layer: int, x: Tensor, placement: VllmStep) -> Tensor:
         module = self.decoder.layers[layer].self_attn
-        with self.stepping(placement):
-            return module(hidden_states=x, positions=placement.positions)
+        return module(hidden_states=x, positions=placement.positions)
 
     def kda_caches(self, shard: int, layer: int) -> tuple[Tensor, Tensor]:
         conv, recurrent = self.decoder.layers[layer].self_attn.kv_cache
@@ -308,14 +316,65 @@ class VllmBackbone:
         md = placement.metadata.get(self.decoder.layers[layer].self_attn.prefix)
         return None if md is None else placement.once("kda", (md,), lambda: kda_placement(md))
 
-    @contextmanager
-    def stepping(self, placement: VllmStep) -> Iterator[None]:
-        """Inside it, the stages installed in vLLM's modules run at `placement`."""
-        self._step = placement
-        try:
-            yield
-        finally:
-            self._step = None
+    def mla_caches(self, shard: int, layer: int) -> MlaCaches | None:
+        """The latent pages vLLM's MLA attention holds [blocks, block_size, L] BF16, its
+        indexer's pool pages and ring, and the model-wide top-k buffer the selection is also
+        written to (vLLM's MTP drafter reuses its step 0's from there: `set_skip_topk`);
+        None where they are not bound in the stage's layouts."""
+        attn = self._module(f"layers.{layer}.self_attn")
+        latent = getattr(attn.mla_attn.mla_attn, "kv_cache", None)
+        ix = attn.indexer
+        pools = getattr(ix.k_cache, "kv_cache", None)
+        ring = getattr(ix.tail_cache, "kv_cache", None)
+        tensors = isinstance(latent, Tensor) and isinstance(pools, Tensor)
+        if not (tensors and isinstance(ring, Tensor)) or self.indexer is None:
+            return None
+        if (latent.dtype != torch.bfloat16 or latent.dim() != 3 or pools.dim() != 3
+                or pools.shape[1] * ix.index_kpool != self.indexer.block_size
+                or ring.dim() != 4):  # fmt: skip
+            return None
+        buffer = getattr(ix, "topk_indices_buffer", None)  # the drafter's later steps read it
+        return MlaCaches(latent, pools, ring, buffer if isinstance(buffer, Tensor) else None)
+
+    def mla_placement(self, placement: VllmStep, layer: int):
+        """From the step's metadata for the layer's MLA attention and its indexer's pools and
+        ring, and the latent slot mapping (one set of objects for every MLA layer of a step:
+        placed once)."""
+        attn = self._module(f"layers.{layer}.self_attn")
+        # vLLM skips this indexer now (its MTP drafter after step 0): the step attends the
+        # selection step 0 left in the top-k buffer, compacted to these rows.
+        reuse = bool(getattr(attn.mla_attn, "skip_topk", False))
+        core, ix = attn.mla_attn.mla_attn, attn.indexer
+        md = placement.metadata.get(core.layer_name)
+        latent, ring = getattr(core, "kv_cache", None), getattr(ix.tail_cache, "kv_cache", None)
+        if not (isinstance(latent, Tensor) and isinstance(ring, Tensor) and latent.dim() == 3
+                and ring.dim() == 4):  # fmt: skip
+            return None  # not bound in the stage's layouts (`mla_caches`)
+        if md is not None and latent.shape[1] != getattr(md, "block_size", None):
+            return None  # the block table's blocks are not the cache tensor's
+        sources = (md, placement.metadata.get(ix.k_cache.prefix),
+                   placement.metadata.get(ix.tail_cache.prefix),
+                   placement.slot_mapping.get(core.layer_name), placement.positions)  # fmt: skip
+
+        buffer, ixc = getattr(ix, "topk_indices_buffer", None), self.indexer
+        if not isinstance(buffer, Tensor) or ixc is None:
+            return None
+        width = ixc.topk + (ixc.kpool - 1 if ixc.tail and ixc.kpool > 1 else 0)
+
+        def derive():
+            place = mla_placement(*sources, ring.shape[2])
+            if place is None:
+                return None
+            n = place.request.shape[0]
+            if reuse:
+                return replace(place, selection=buffer[:n, :width])
+            # vLLM's rows hold -1 past the selection's columns (its backend and the MTP
+            # drafter's compaction read whole rows): once a step, as its indexer op does.
+            buffer[:n, width:] = -1
+            return place
+
+        kind = f"mla ring {ring.shape[2]}" + (" reused" if reuse else "")
+        return placement.once(kind, sources, derive)
 
     def mlp(self, shard: int, layer: int, x: Tensor) -> Tensor:
         return self.decoder.layers[layer].mlp(x)
@@ -409,26 +468,6 @@ class VllmBackbone:
 
     # Routes.
     def route(self, shard: int, name: str, op: Any) -> None:
-        if name.endswith(tuple(f".self_attn.indexer.{k}" for k in ("kpool", "topk", "inputs"))):
-            path, _, kind = name.rpartition(".")
-            module = self._module(path)
-            if module is None:
-                raise KeyError(f"glm5-vllm: no vLLM module {path}")
-            ops = self._indexer_ops.setdefault(module, {})
-            install_indexer(module, ops, kind, op, lambda: self._step)  # once all it needs
-            if not ops:  # are set (indexer.py)
-                del self._indexer_ops[module]
-            return
-        if name.endswith(".self_attn.dsa_attn"):  # the MLA layer's attention core (mla.py)
-            index = int(name.split(".")[1])
-            attention = self._mla_attention(index)
-            if attention is None:
-                raise KeyError(f"glm5-vllm: no vLLM MLA attention in layer {index}")
-            if op is None:
-                uninstall_sparse_mla(attention)
-            else:
-                install_sparse_mla(attention, op, _selected(self.config))
-            return
         if name.endswith(".weight"):
             found = self._locate(name)
             if found is None:
@@ -504,8 +543,7 @@ class VllmDraftBackbone(VllmBackbone):
 
     def attention(self, shard: int, layer: int, x: Tensor, placement: VllmStep) -> Tensor:
         block = self._mtp[layer].mtp_block
-        with self.stepping(placement):
-            return block.self_attn(hidden_states=x, positions=placement.positions)
+        return block.self_attn(hidden_states=x, positions=placement.positions)
 
     def mlp(self, shard: int, layer: int, x: Tensor) -> Tensor:
         return self._mtp[layer].mtp_block.mlp(x)
@@ -598,16 +636,6 @@ def _mhc(config, layers: list[nn.Module], norm: nn.Module | None) -> MhcConfig |
         hc_eps=float(first.hc_eps), sinkhorn_iters=int(first.mhc_sinkhorn_iterations),
         norm_eps=float(eps.pop()), post_mult=float(first.mhc_post_mult_value),
     )  # fmt: skip
-
-
-def _selected(config) -> int | None:
-    """The columns of vLLM's top-k buffer its kpool indexer writes: the top-k tokens, then
-    the incomplete pool's kpool - 1 (vLLM's expand_pools_and_append_tail); None where the
-    config does not say (the op then reads the whole row)."""
-    topk, kpool = getattr(config, "index_topk", None), getattr(config, "index_kpool", None)
-    if not isinstance(topk, int) or not isinstance(kpool, int):
-        return None
-    return topk + max(kpool - 1, 0)
 
 
 def _is_linear(module: nn.Module) -> bool:

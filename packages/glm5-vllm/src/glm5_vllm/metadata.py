@@ -1,6 +1,6 @@
 """vLLM's per-layer attention metadata as the runtime's neutral row counts (`Rows`), a
-step's `StepContext` and metadata from vLLM's forward context, and the KDA layers' neutral
-placement from their metadata."""
+step's `StepContext`, metadata and slot mappings from vLLM's forward context, and the KDA
+layers' neutral placement from their metadata."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 from glm5_runtime.plan import Rows, StepContext
 from glm5_runtime.protocol import KdaPlacement
 
-__all__ = ["attention_metadata", "kda_placement", "rows_of", "step_context"]
+__all__ = ["attention_metadata", "kda_placement", "rows_of", "slot_mappings", "step_context"]
 
 
 def rows_of(md: Any) -> Rows:
@@ -58,6 +58,17 @@ def attention_metadata() -> dict[str, Any]:
         return {}
     by_layer = get_forward_context().attn_metadata
     return dict(by_layer) if isinstance(by_layer, dict) else {}
+
+
+def slot_mappings() -> dict[str, Any]:
+    """The current forward's cache slot mapping per layer name (where vLLM's own attention
+    writes each token's KV); empty outside a forward context."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return {}
+    slots = get_forward_context().slot_mapping
+    return dict(slots) if isinstance(slots, dict) else {}
 
 
 def kda_placement(md: Any) -> KdaPlacement | None:

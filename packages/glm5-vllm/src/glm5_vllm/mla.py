@@ -1,112 +1,88 @@
-"""The sparse MLA stage inside vLLM's MLA layer (seam 5): the stage's constants from the
-layers (`mla_constants`: `Backbone.mla`) and the hooks the route `layers.{i}.self_attn.
-dsa_attn` installs on the layer's `MLAAttention` (`install_sparse_mla`).
+"""vLLM's MLA layers as the MLA sublayer stage reads them (seam 5): the stage's constants
+(`mla_constants`: `Backbone.mla`), each layer's caches and the step's neutral placement
+(`mla_placement`) from vLLM's metadata.
 
-vLLM's decode of an MLA layer absorbs the query (q_nope . W_UK_T, [N, H, 512]), asks its
-sparse backend's `forward_mqa` for the attention over the indexer's selection, then applies
-W_UV in `_v_up_proj`. The route keeps everything before: projections, norms, the indexer
-(which fills the model-wide top-k buffer with request-relative token positions) and the
-latent cache write. On a step whose rows are all decodes (verify rows included) its
-`forward_mqa` defers; its `_v_up_proj` then runs the stage op — attention and value-up in
-one — on the absorbed query, the layer's latent cache [blocks, block_size, 512], the
-metadata's block table and each row's request, and the top-k buffer's rows, writing where
-vLLM's value-up would. Any other step (a prefill, an FP8 cache or query, context parallel
-decode, more rows than the op was built for) runs vLLM's own.
+vLLM's decode of a GLM-5.3-Flash MLA layer (`MultiHeadLatentAttentionWrapper`) projects
+q_a | kv_a in one GEMM, norms both, writes the normed kv_a into the latent cache at the
+forward context's slot mapping, projects q_b, runs the indexer (which writes its pools and
+ring and fills the model-wide top-k buffer), absorbs the query with W_UK_T, asks its sparse
+backend for the attention over the selection and applies W_UV, then o_proj. The runtime's
+stage runs all of it from the module's weights, on the module's caches, at this placement;
+vLLM's module runs where a step is not a decode of one length per request (a prefill, a
+mixed batch, padded requests the indexer's metadata marks), or the layout is not the
+stage's (an FP8 latent cache, context-parallel decode, a hierarchical sparse cache, an
+output gate). Where vLLM skips the layer's indexer (`set_skip_topk`: its MTP drafter's steps
+after the first reuse step 0's selection, compacted in the model-wide top-k buffer), the
+placement carries those rows and the stage attends them without its indexer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from glm5_runtime.protocol import Mla
+from glm5_runtime.protocol import Mla, MlaPlacement
 
-__all__ = ["install_sparse_mla", "mla_constants", "uninstall_sparse_mla"]
+__all__ = ["mla_constants", "mla_placement"]
 
 
 def mla_constants(layers: list[nn.Module]) -> Mla | None:
-    """The sparse MLA stage's constants where every MLA layer is vLLM's NoPE sparse MLA
-    (`MLAAttention` over a sparse backend with the model-wide top-k buffer, no context
-    parallel decode) with one nope / value split and softmax scale; None otherwise (then
-    MLA stays vLLM's)."""
+    """The stage's constants where every MLA layer (`Glm5NextMLAAttention`) is vLLM's NoPE
+    sparse MLA with a q LoRA (fused q_a | kv_a), a BF16 latent cache, no context-parallel
+    decode, one nope / value split, softmax scale and norm eps, BF16 norm weights; None
+    otherwise (then MLA stays vLLM's)."""
     if not layers or any(not _sparse_nope(m) for m in layers):
         return None
-    found = {(m.qk_nope_head_dim, m.v_head_dim, float(m.impl.scale)) for m in layers}
+    found = {(m.qk_nope_head_dim, m.v_head_dim, float(m.mla_attn.mla_attn.impl.scale),
+              float(m.q_a_layernorm.variance_epsilon)) for m in layers}  # fmt: skip
     if len(found) != 1:
         return None
-    return Mla(*found.pop())
+    nope, v_dim, scale, eps = found.pop()
+    return Mla(nope, v_dim, scale, norm_eps=eps)
 
 
 def _sparse_nope(m: nn.Module) -> bool:
-    impl = getattr(m, "impl", None)
+    core = getattr(getattr(m, "mla_attn", None), "mla_attn", None)
+    impl = getattr(core, "impl", None)
+    norms = [getattr(m, n, None) for n in ("q_a_layernorm", "kv_a_layernorm")]
     return (
         impl is not None
         and getattr(impl, "is_sparse", False)
-        and getattr(impl, "topk_indices_buffer", None) is not None
         and getattr(impl, "dcp_world_size", 1) == 1
         and getattr(m, "qk_rope_head_dim", None) == 0
-        and hasattr(m, "_v_up_proj")
+        and getattr(m, "fused_qkv_a_proj", None) is not None
+        and getattr(m.mla_attn, "g_proj", None) is None  # no output gate
+        and not getattr(m.mla_attn, "dcp_q_replicate", False)
+        and getattr(core, "kv_cache_dtype", "auto") == "auto"
+        and getattr(core, "hisparse_cache", None) is None
+        and all(n is not None and n.weight.dtype == torch.bfloat16 for n in norms)
+        and norms[0].variance_epsilon == norms[1].variance_epsilon
     )
 
 
-@dataclass
-class _Deferred:
-    """What `forward_mqa` hands `_v_up_proj` on a routed step: the absorbed query, the
-    latent cache and the step's metadata."""
-
-    q_lat: Tensor
-    cache: Tensor
-    metadata: Any
-
-
-def install_sparse_mla(layer: nn.Module, op: Any, width: int | None = None) -> None:
-    """Route `layer` (an `MLAAttention`)'s decode attention and value-up through `op`
-    (`glm5_kernels.dsa.SparseMlaDecode`'s call: q_lat, cache, block_table, request, indices,
-    out). `width`: the top-k buffer's columns the indexer writes (top-k + the tail's kpool
-    - 1; vLLM pads its rows to 2176 with -1, which the op need not walk); None: all."""
-    impl = layer.impl
-    stock_mqa = type(impl).forward_mqa.__get__(impl)
-    stock_up = type(layer)._v_up_proj.__get__(layer)
-    heads, v_dim = layer.num_heads, layer.v_head_dim
-
-    def forward_mqa(q, kv_cache, metadata, attn_layer):
-        if _covered(q, kv_cache, metadata, op):
-            return _Deferred(q[0], kv_cache, metadata), None
-        return stock_mqa(q, kv_cache, metadata, attn_layer)
-
-    def v_up_proj(x, out: Tensor) -> None:
-        if not isinstance(x, _Deferred):
-            return stock_up(x, out)
-        n, md = x.q_lat.shape[0], x.metadata
-        indices = impl.topk_indices_buffer[:n, :width]
-        op(x.q_lat, x.cache, md.block_table, md.req_id_per_token[:n], indices,
-           out=out.view(n, heads, v_dim))  # fmt: skip
+def mla_placement(md: Any, index_md: Any, tail_md: Any, slot_mapping: Tensor | None,
+                  positions: Tensor, ring: int) -> MlaPlacement | None:  # fmt: skip
+    """An MLA layer's sparse-MLA metadata `md`, its indexer's pool metadata `index_md` and
+    ring metadata `tail_md`, the latent slot mapping of the forward context and the step's
+    positions as the stage's placement (`ring`: the ring's tokens a row), for a step whose
+    rows are all decodes of one length (a plain decode or a uniform verify, no padded
+    requests); None for anything else. Tensor ops only (no host sync: capturable)."""
+    decode = getattr(index_md, "decode", None)
+    if md is None or tail_md is None or decode is None or slot_mapping is None:
         return None
-
-    impl.forward_mqa = forward_mqa
-    layer._v_up_proj = v_up_proj
-
-
-def uninstall_sparse_mla(layer: nn.Module) -> None:
-    """vLLM's own decode attention and value-up again."""
-    layer.impl.__dict__.pop("forward_mqa", None)
-    layer.__dict__.pop("_v_up_proj", None)
-
-
-def _covered(q, kv_cache: Tensor, md: Any, op: Any) -> bool:
-    """Whether the stage runs this step: the BF16 NoPE query as vLLM's (absorbed, rope
-    part empty) pair, a BF16 latent cache, and sparse metadata whose every row is a decode
-    (a plain decode or a uniform verify), no more rows than the op was built for."""
-    if not isinstance(q, tuple) or q[1].shape[-1] != 0 or q[0].dtype != torch.bfloat16:
-        return False
-    if kv_cache.dtype != torch.bfloat16 or kv_cache.dim() != 3:
-        return False
-    if kv_cache.shape[1] != getattr(md, "block_size", kv_cache.shape[1]):
-        return False  # the block table's blocks are not the cache tensor's
     if not all(hasattr(md, a) for a in ("block_table", "req_id_per_token", "num_prefills")):
-        return False
-    n = q[0].shape[0]
-    return md.num_prefills == 0 and md.num_decode_tokens == n and op.supports(n)
+        return None
+    r, n = md.num_decodes, md.num_decode_tokens
+    if md.num_prefills or index_md.num_prefills or r <= 0 or n % r or positions.shape[0] < n:
+        return None
+    if decode.requires_padding or not decode.decode_is_uniform:
+        return None
+    t = n // r
+    slots = tail_md.slot_mapping[:n].view(r, t)[:, 0]  # a request's ring row: slot // ring
+    tail_rows = torch.where(slots >= 0, slots.div(ring, rounding_mode="floor"), -1)
+    return MlaPlacement(
+        slot_mapping[:n].long(), md.block_table[:r], md.req_id_per_token[:n],
+        positions[:n].view(r, t), decode.block_table[:r], tail_rows,
+    )  # fmt: skip

@@ -22,7 +22,7 @@ from vllm.models.glm5next import Glm5NextMTP as _MTP
 
 from .backbone import VllmBackbone, VllmDraftBackbone, VllmStep
 from .config import specialized_decode_config
-from .metadata import attention_metadata, step_context
+from .metadata import attention_metadata, slot_mappings, step_context
 
 __all__ = ["Glm5NextForCausalLM", "Glm5NextForConditionalGeneration", "Glm5NextMTP"]
 
@@ -80,7 +80,7 @@ class Glm5NextForCausalLM(_Binds, _CausalLM):
                 return stock()
             decode.prepare()  # a stage whose kernels fail to compile warns and runs stock
             self._glm5_prepared = True
-        placement = VllmStep(positions, context, attention_metadata())
+        placement = VllmStep(positions, context, attention_metadata(), slot_mappings())
         return decode.forward(
             input_ids, placement, stock, capturing=context.capturing, graph=context.graph,
             embeds=inputs_embeds,
@@ -179,7 +179,7 @@ class Glm5NextMTP(_Binds, _MTP):
                 return stock()
             draft.prepare()
             self._glm5_prepared = True
-        placement = VllmStep(positions, context, attention_metadata())
+        placement = VllmStep(positions, context, attention_metadata(), slot_mappings())
         decision = draft.plan(placement, context.capturing, context.graph)
         if decision.step is None:
             return stock()

@@ -34,10 +34,18 @@ def rowwise(rows: int, heads: int) -> bool:
 
 class SparseMlaDecode:
     """A layer's value-up W_uv [H, Vd, L] BF16 (kv_b_proj's value rows per head) and the
-    softmax scale; steps of up to `max_rows` query rows (requests x tokens)."""
+    softmax scale; steps of up to `max_rows` query rows (requests x tokens). `w_uk` [H, P, L]
+    BF16 (kv_b_proj's key rows per head, transposed): the query absorption `absorb` too."""
 
-    def __init__(self, w_uv: Tensor, scale: float, *, max_rows: int = 64):
+    def __init__(self, w_uv: Tensor, scale: float, *, max_rows: int = 64,
+                 w_uk: Tensor | None = None):  # fmt: skip
         problems = []
+        if w_uk is not None and (
+            w_uk.dim() != 3 or w_uk.dtype != torch.bfloat16 or w_uk.shape[0] != w_uv.shape[0]
+            or w_uk.shape[2] != w_uv.shape[-1]
+        ):  # fmt: skip
+            problems.append(f"w_uk: {tuple(w_uk.shape)} {w_uk.dtype}, expected [H, P, L] "
+                            "bfloat16 beside w_uv's H and L")  # fmt: skip
         if w_uv.dim() != 3 or w_uv.dtype != torch.bfloat16 or w_uv.stride(-1) != 1:
             problems.append(f"w_uv: {tuple(w_uv.shape)} {w_uv.dtype}, expected [H, Vd, L] "
                             "bfloat16, rows contiguous")  # fmt: skip
@@ -46,6 +54,8 @@ class SparseMlaDecode:
         if problems:
             raise ValueError("SparseMlaDecode: " + "; ".join(problems))
         self.w_uv, self.scale, self.max_rows = w_uv, float(scale), max_rows
+        # One layout, whatever the backbone keeps: the absorption's rounding is the same.
+        self.w_uk = None if w_uk is None else w_uk.contiguous()
         self.heads, self.vd, self.lat = w_uv.shape
         dev = w_uv.device
         self._device, self._pdl, self._interp = dev, use_pdl(dev), interpreting()
@@ -63,6 +73,17 @@ class SparseMlaDecode:
 
     def supports(self, rows: int) -> bool:
         return 1 <= rows <= self.max_rows
+
+    def absorb(self, q: Tensor) -> Tensor:
+        """The absorbed query q . W_uk: q [N, H, P] BF16 (the nope parts, any row stride) ->
+        [N, H, L] BF16, one batched GEMM (FP32 accumulation, one rounding) written token-major,
+        as vLLM's MLA decode absorbs it."""
+        if self.w_uk is None:
+            raise ValueError("SparseMlaDecode: built without w_uk, nothing to absorb with")
+        n = q.shape[0]
+        out = torch.empty(n, self.heads, self.lat, dtype=torch.bfloat16, device=q.device)
+        torch.bmm(q.transpose(0, 1), self.w_uk, out=out.transpose(0, 1))
+        return out
 
     def splits(self, rows: int, selected: int) -> int:
         """Splits of the selected tokens: enough CTAs for two an SM, at least one BW block

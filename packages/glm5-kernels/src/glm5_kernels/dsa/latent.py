@@ -16,8 +16,10 @@ __all__ = ["LatentWrite", "latent_write_ref"]
 def latent_write_ref(q_a: Tensor, kv_a: Tensor, q_norm: Tensor, kv_norm: Tensor, eps: float,
                      latent: Tensor, slots: Tensor) -> Tensor:  # fmt: skip
     """q_a [N, Q], kv_a [N, L] BF16, the norms' weights [Q], [L], latent [S, L] (written at
-    `slots` [N]) -> the normed q_a [N, Q]: `rms_norm_ref` of each, as the model runs them."""
-    latent[slots] = rms_norm_ref(kv_a, kv_norm, eps).to(latent.dtype)
+    `slots` [N]; -1: a padding row, not written) -> the normed q_a [N, Q]: `rms_norm_ref` of
+    each, as the model runs them."""
+    keep = slots >= 0
+    latent[slots[keep]] = rms_norm_ref(kv_a[keep], kv_norm, eps).to(latent.dtype)
     return rms_norm_ref(q_a, q_norm, eps)
 
 
@@ -56,8 +58,8 @@ class LatentWrite:
     def __call__(self, q_a: Tensor, kv_a: Tensor, latent: Tensor, slots: Tensor) -> Tensor:
         """q_a [N, Q] and kv_a [N, L] BF16, columns of one tensor's rows (the fused q_a | kv_a
         projection's output: kv_a starting where q_a ends), latent [S, L] BF16 (written at
-        `slots` [N] int64, each in range; any stride: a draft step's are a column of its
-        verify's) -> the normed q_a [N, Q] BF16."""
+        `slots` [N] int64, each in range or -1 (vLLM's padding rows: not written); any
+        stride: a draft step's are a column of its verify's) -> the normed q_a [N, Q] BF16."""
         self._check(q_a, kv_a, latent, slots)
         n = q_a.shape[0]
         out = torch.empty(n, self.q_dim, dtype=torch.bfloat16, device=q_a.device)

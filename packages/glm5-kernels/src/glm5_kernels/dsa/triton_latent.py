@@ -25,7 +25,7 @@ def _normed(x, w, D: tl.constexpr, eps, INTERPRETER: tl.constexpr):
 def latent_write_kernel(
     x_ptr,  # [N, >= Q + L] BF16: q_a | kv_a per row (row stride stride_x, unit columns)
     q_w_ptr, kv_w_ptr,  # [Q], [L] BF16: q_a_layernorm, kv_a_layernorm
-    slot_ptr,  # [N] int64, stride stride_s: each row's latent slot (block * block_size + offset)
+    slot_ptr,  # [N] int64, stride stride_s: each row's latent slot (-1: padding, not written)
     q_ptr,  # [N, Q] BF16 out: the normed q_a
     latent_ptr,  # [slots, L] BF16, written at the rows' slots
     stride_x, stride_s, eps,
@@ -45,4 +45,6 @@ def latent_write_kernel(
     if PDL:
         gdc_launch_dependents()
     tl.store(q_ptr + row * Q + cq, _normed(q, wq, Q, eps, INTERPRETER), mask=cq < Q)
-    tl.store(latent_ptr + slot * L + cl, _normed(kv, wl, L, eps, INTERPRETER), mask=cl < L)
+    # vLLM's padding rows have slot -1: nothing written (its concat_and_cache_mla skips them).
+    if slot >= 0:
+        tl.store(latent_ptr + slot * L + cl, _normed(kv, wl, L, eps, INTERPRETER), mask=cl < L)

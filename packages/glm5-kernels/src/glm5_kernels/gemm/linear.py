@@ -212,7 +212,10 @@ class Projection(_SkinnyGemm):
     """BF16 projection y [M, N] = x [M, K] @ weightᵀ (weight [N, K] BF16), M <= max_tokens.
 
     `split_k_tokens`: the token counts allowed to split K (default: all; the plan still picks
-    one split where N alone fills the GPU). `out_dtype`: BF16 (default) or FP32.
+    one split where N alone fills the GPU). `out_dtype`: BF16 (default) or FP32. `blocks` B:
+    B projections of equal shapes in one launch, block-diagonal — x [M, B·K], weight the B
+    weights stacked [N, K], output block b (columns b·N/B ..) from x's columns b·K .. (two
+    low-rank up-projections whose inputs are adjacent columns of one projection's output).
     """
 
     def __init__(
@@ -222,17 +225,29 @@ class Projection(_SkinnyGemm):
         *,
         out_dtype: torch.dtype = torch.bfloat16,
         max_tokens: int = MAX_TOKENS,
+        blocks: int = 1,
     ):
         problems: list[str] = []
         _check_weight("weight", weight, (torch.bfloat16,), problems)
         if out_dtype not in (torch.bfloat16, torch.float32):
             problems.append(f"out_dtype {out_dtype}: expected bfloat16 or float32")
+        if blocks < 1 or weight.shape[0] % blocks:
+            problems.append(f"blocks={blocks}: must divide the weight's {weight.shape[0]} rows")
         _raise(type(self).__name__, problems)
         self.weight, self.out_dtype, self._device = weight, out_dtype, weight.device
+        self.blocks = blocks
         super().__init__(*weight.shape, weight.device, split_k_tokens, max_tokens)
+        uneven = sorted({t.bn for t in self.tiles.values() if (self.n // blocks) % t.bn})
+        if blocks > 1 and uneven:  # a column tile must not straddle two blocks
+            raise ValueError(f"Projection: {self.n // blocks} columns a block is not a multiple "
+                             f"of the column tiles {uneven}")  # fmt: skip
+
+    @property
+    def _in_features(self) -> int:
+        return self.blocks * self.k
 
     def __call__(self, x: Tensor, out: Tensor | None = None) -> Tensor:
-        """x [M, K] BF16 -> [M, N] out_dtype (written into `out` when given)."""
+        """x [M, B·K] BF16 -> [M, N] out_dtype (written into `out` when given)."""
         from .triton_skinny import bf16_gemm_kernel
 
         m = self._check_input(x)
@@ -243,6 +258,7 @@ class Projection(_SkinnyGemm):
         bf16_gemm_kernel[grid](
             x, self.weight, out, self._scratch(t), self._counts,
             m, self.n, self.k, x.stride(0), out.stride(0), -(-k_tiles // t.split_k),
+            self.n // self.blocks,
             BM=t.bm, BN=t.bn, BK=t.bk, SPLIT_K=t.split_k, EVEN_K=self.k % t.bk == 0,
             INTERPRETER=interpreting(), PDL=t.pdl, PREFETCH=t.prefetch,
             num_warps=t.warps, num_stages=t.stages, launch_pdl=t.pdl,

@@ -87,13 +87,14 @@ def _finish(acc, out_ptr, part_ptr, count_ptr, M, N, stride_om,
 
 @triton.jit(do_not_specialize=["M"])
 def bf16_gemm_kernel(
-    x_ptr,  # [M, K] BF16, row stride stride_xm, unit column stride
+    x_ptr,  # [M, (N / n_block) K] BF16, row stride stride_xm, unit column stride
     w_ptr,  # [N, K] BF16, k-major
     out_ptr,  # [M, N] BF16 or FP32, row stride stride_om
     part_ptr,  # [SPLIT_K, tiles, BN, BM] FP32 partials (unused when SPLIT_K == 1)
     count_ptr,  # [tiles] int32, zero between launches
     M, N, K, stride_xm, stride_om,
     K_TILES,  # BK tiles per split
+    n_block,  # output columns a block: column n reads x's K columns from (n // n_block) K
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRETER: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr,
@@ -103,7 +104,8 @@ def bf16_gemm_kernel(
     offs_k = tl.arange(0, BK)
     w_rows = w_ptr + tl.minimum(offs_n, N - 1) * K
     w_ptrs = w_rows[:, None] + offs_k[None, :]
-    x_ptrs = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm + offs_k[None, :]
+    x_block = x_ptr + (tl.program_id(0) * BN // n_block) * K  # BN divides n_block (the host)
+    x_ptrs = x_block + tl.minimum(offs_m, M - 1)[:, None] * stride_xm + offs_k[None, :]
     x_rows = offs_m[:, None] < M
     k_lo = tl.program_id(1) * K_TILES * BK
     k_hi = tl.minimum(k_lo + K_TILES * BK, K)

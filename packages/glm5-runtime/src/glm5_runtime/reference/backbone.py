@@ -18,7 +18,7 @@ from glm5_kernels.mhc import MhcConfig, hc_expand_ref, hc_head_ref, hc_post_ref
 from glm5_kernels.norm import rms_norm_ref
 
 from ..plan import Rows
-from ..protocol import Indexer, Kda, KdaPlacement, Layer, Mla, Routing
+from ..protocol import Indexer, Kda, KdaPlacement, Layer, Mla, MlaCaches, MlaPlacement, Routing
 from .model import ReferenceModel
 from .stages import FUSED_PARTS, KEY_EPS, Placement
 
@@ -55,11 +55,11 @@ class ReferenceBackbone:
         self.routing = Routing(g.num_experts_per_tok, g.routed_scaling_factor)
         self.kda = Kda(g.linear_lower_bound, g.rms_norm_eps)  # `kda_caches`, `kda_placement`
         scale = (g.qk_nope_head_dim + g.qk_rope_head_dim) ** -0.5
-        # RankStages.mla: `.dsa_attn`, and `.latent` (its input norms and latent write)
+        # The MLA sublayer stage (`mla_caches`, `mla_placement`).
         self.mla = Mla(g.qk_nope_head_dim, g.v_head_dim, scale, norm_eps=g.rms_norm_eps)
         pools = -(-model.max_context // model.block_size) * model.block_size // g.index_kpool
-        self.indexer = Indexer(  # RankStages.indexer: `.kpool`, `.topk`, `.inputs` (vLLM's
-            g.index_n_heads, g.index_head_dim, g.index_kpool, g.index_topk,  # FP8 pages)
+        self.indexer = Indexer(  # the MLA sublayer's (over vLLM's FP8 pages: `mla_caches`)
+            g.index_n_heads, g.index_head_dim, g.index_kpool, g.index_topk,
             bool(g.index_kpool_always_select_tail and g.index_kpool > 1), pools,
             model.block_size, key_norm_eps=KEY_EPS,
         )  # fmt: skip
@@ -133,6 +133,11 @@ class ReferenceBackbone:
     def norm(self, name: str, x: Tensor) -> Tensor:
         return rms_norm_ref(x, self.model._w(name), self.g.rms_norm_eps)
 
+    def embedding(self, shard: int) -> tuple[Tensor, int] | None:
+        rank = self.model.ranks[shard]  # its TP rank's shard of the vocabulary, as `embed`'s
+        table = rank.w["embed_tokens.weight"]
+        return table, rank.rank * table.shape[0]
+
     # Stock operations.
     def embed(self, tokens: Tensor) -> Tensor:
         partials = [rank.embed(tokens) for rank in self.model.ranks]
@@ -182,6 +187,27 @@ class ReferenceBackbone:
             return None
         return KdaPlacement(placement.conv_slots, placement.conv_offset, placement.read_slots,
                             placement.write_slots, keep=tokens > 1)  # fmt: skip
+
+    def mla_caches(self, shard: int, layer: int) -> MlaCaches | None:
+        """The layer's latent pages and, for a full indexer layer, its pool pages and ring;
+        None where the pools hold transformers' BF16 keys (vLLM's FP8 pages are the stage's)."""
+        c = self.model.ranks[shard].c
+        latent = c.latent[layer]
+        if latent.dtype != torch.bfloat16:
+            return None
+        full = f"layers.{layer}.self_attn.indexer.wk.weight" in self.model.ranks[shard].w
+        if not full:
+            return MlaCaches(latent, None, None)
+        pools = c.kpool[layer]
+        return None if pools.dtype != torch.uint8 else MlaCaches(latent, pools, c.tail[layer])
+
+    def mla_placement(self, placement: Placement, layer: int) -> MlaPlacement | None:
+        """Any uniform step (a draft prefill of q tokens a request too: MLA keeps no state
+        per token that a verify and a prefill would place apart)."""
+        return MlaPlacement(  # a draft step's positions and slots are columns of its verify's
+            placement.slots.reshape(-1), placement.block_table, placement.row_request,
+            placement.positions.contiguous(), placement.block_table, placement.tail_rows,
+        )  # fmt: skip
 
     def reduce(self, partials: Sequence[Tensor]) -> Tensor:
         return self.model.reduce(partials)

@@ -53,7 +53,7 @@ class Placement:
     every token's, so accepting n resumes from write_slots[:, n - 1]); conv_slots [R]: the
     request's conv state row, whose W-1 window starts at column conv_offset [R] (n - 1
     after accepting n). tail_rows [R]: each request's indexer ring. row_request [R * T]: each
-    token row's request (derived, once per step: the MLA stages' routes take it)."""
+    token row's request (derived, once per step: the MLA sublayer's placement reads it)."""
 
     positions: Tensor
     slots: Tensor
@@ -195,19 +195,13 @@ class RankStages:
         g, a = self.g, f"layers.{layer}.self_attn"
         R, T, _ = x.shape
         eps = g.rms_norm_eps
-        whole, (q_a, kv_a) = self._parts(x, a, "fused_qkv_a_proj")
+        _, (q_a, kv_a) = self._parts(x, a, "fused_qkv_a_proj")
         heads = g.num_attention_heads // g.tp_size
         nope, vd, lora = g.qk_nope_head_dim, g.v_head_dim, g.kv_lora_rank
         latent = self.c.latent[layer].view(-1, lora)
-        write = self.routes.get(f"{a}.latent")  # the stage's input norms and latent write
-        if (write is not None and whole is not None and write.supports(R * T)
-                and x.dtype == latent.dtype == torch.bfloat16):  # fmt: skip
-            rows = q_a.reshape(R * T, -1), kv_a.reshape(R * T, -1)
-            q_resid = write(*rows, latent, step.slots.reshape(-1)).view(R, T, -1)
-        else:
-            q_resid = rms_norm_ref(q_a, self.w[f"{a}.q_a_layernorm.weight"], eps)
-            kv = rms_norm_ref(kv_a, self.w[f"{a}.kv_a_layernorm.weight"], eps)
-            latent[step.slots.reshape(-1)] = kv.reshape(-1, lora).to(latent.dtype)
+        q_resid = rms_norm_ref(q_a, self.w[f"{a}.q_a_layernorm.weight"], eps)
+        kv = rms_norm_ref(kv_a, self.w[f"{a}.kv_a_layernorm.weight"], eps)
+        latent[step.slots.reshape(-1)] = kv.reshape(-1, lora).to(latent.dtype)
         q = self.linear(q_resid, f"{a}.q_b_proj.weight").reshape(R, T, heads, nope)
         if topk is None and f"{a}.indexer.wk.weight" in self.w:
             topk = self.indexer(layer, x, q_resid, step)
@@ -215,16 +209,7 @@ class RankStages:
             raise ValueError(f"layers.{layer}: a shared indexer layer needs a full layer before it")
         # Absorbed MLA: q·(W_uk c) = (W_uk^T q)·c, and o = W_uv (p·c): exact, without
         # expanding every selected token to all heads.
-        kv_b = self.w[f"{a}.kv_b_proj.weight"].reshape(heads, nope + vd, lora)
-        fused = self.routes.get(f"{a}.dsa_attn")  # the sparse MLA stage: attention + value-up
-        if fused is not None and kv_b.dtype == x.dtype == torch.bfloat16 and fused.supports(R * T):
-            # The absorbed query as the stage takes it, BF16: one batched GEMM on the weight
-            # as stored (FP32 accumulation, one rounding), no FP32 copy of kv_b per step.
-            q_lat = torch.einsum("rthn,hnl->rthl", q, kv_b[:, :nope])
-            o = fused(q_lat.reshape(R * T, heads, lora), self.c.latent[layer],
-                      step.block_table, step.row_request, topk.reshape(R * T, -1))  # fmt: skip
-            return self.linear(o.reshape(R, T, heads * vd), f"{a}.o_proj.weight"), topk
-        kv_b = kv_b.float()
+        kv_b = self.w[f"{a}.kv_b_proj.weight"].reshape(heads, nope + vd, lora).float()
         w_uk, w_uv = kv_b[:, :nope], kv_b[:, nope:]
         q_lat = torch.einsum("rthn,hnl->rthl", q.float(), w_uk)
         valid = topk >= 0  # [R, T, W]
@@ -249,26 +234,14 @@ class RankStages:
         kpool = self.c.kpool[layer]
         vllm = kpool.dtype == torch.uint8
         q = self.linear(q_resid, f"{n}.wq_b.weight").reshape(R, T, ih, hd)
-        # The pool write stage (+ the queries) and, built with it, one FP32 projection of the
-        # key, gate and head weights whose key norm and roundings run inside the write.
-        write, inputs = (self.routes.get(f"{n}.{r}") for r in ("kpool", "inputs"))
-        fused_inputs = (
-            vllm and write is not None and inputs is not None and write.supports(R * T)
-            and inputs.supports(R * T) and x.dtype == torch.bfloat16
-        )  # fmt: skip
-        if fused_inputs:
-            sums = inputs(x.reshape(R * T, -1).contiguous())  # [R * T, hd | hd | ih] FP32
-            k, gate = (sums[:, i * hd : (i + 1) * hd].view(R, T, hd) for i in (0, 1))
-            weights = sums[:, 2 * hd :].view(R, T, ih)
+        k = self.linear(x, f"{n}.wk.weight")
+        norm = (self.w[f"{n}.k_norm.weight"], self.w[f"{n}.k_norm.bias"])
+        if vllm:  # vLLM's key norm runs in FP32
+            k = F.layer_norm(k.float(), (hd,), norm[0].float(), norm[1].float(), KEY_EPS)
+            k = k.to(x.dtype)
         else:
-            k = self.linear(x, f"{n}.wk.weight")
-            norm = (self.w[f"{n}.k_norm.weight"], self.w[f"{n}.k_norm.bias"])
-            if vllm:  # vLLM's key norm runs in FP32
-                k = F.layer_norm(k.float(), (hd,), norm[0].float(), norm[1].float(), KEY_EPS)
-                k = k.to(x.dtype)
-            else:
-                k = F.layer_norm(k, (hd,), *norm, KEY_EPS)
-            gate = F.linear(x, self.w[f"{n}.index_kpool_compress_gate"])
+            k = F.layer_norm(k, (hd,), *norm, KEY_EPS)
+        gate = F.linear(x, self.w[f"{n}.index_kpool_compress_gate"])
         # A token that completes a pool compresses it (kpool_ref: members from this step's
         # rows and the request's ring; tokens that complete nothing write to the null block,
         # where vLLM skips the write).
@@ -279,21 +252,9 @@ class RankStages:
         tail_on = bool(g.index_kpool_always_select_tail and kp > 1)
         width = g.index_topk + (kp - 1 if tail_on else 0)
         if vllm:
-            place = (step.block_table, pos, step.tail_rows)
-            takes = fused_inputs or getattr(write, "key_norm", None) is None  # sums or keys
-            if write is not None and write.supports(R * T) and takes:
-                q8, q_scale = write(k, gate, q, tail, kpool, *place)
-            else:
-                q8, q_scale = kpool_write_ref(k, gate, q, tail, kpool, ape, *place,
-                                              step.block_size)  # fmt: skip
-            if not fused_inputs:
-                weights = F.linear(x.float(), self.w[f"{n}.weights_proj.weight"].float())
-            fused = self.routes.get(f"{n}.topk")  # the selection stage: scores + top-k
-            if fused is not None and fused.supports(R * T):
-                tokens = fused(q8.reshape(R * T, ih, hd), q_scale.reshape(R * T, ih),
-                               weights.reshape(R * T, ih), kpool, step.block_table,
-                               step.row_request, pos.reshape(R * T))  # fmt: skip
-                return tokens.view(R, T, width)  # int32: the sparse stage reads it as is
+            q8, q_scale = kpool_write_ref(k, gate, q, tail, kpool, ape, step.block_table, pos,
+                                          step.tail_rows, step.block_size)  # fmt: skip
+            weights = F.linear(x.float(), self.w[f"{n}.weights_proj.weight"].float())
             page_keys, page_scales = _pages(kpool)
             pool_keys = page_keys[step.block_table].reshape(R, -1, hd).view(torch.float8_e4m3fn)
             pool_scales = page_scales[step.block_table].reshape(R, -1)
