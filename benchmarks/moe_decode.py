@@ -1,8 +1,11 @@
 """A whole MoE layer of GLM-5.3-Flash decode on one GPU (router, routing, 288 routed experts
 top-8, the shared expert): TP 1 and TP 4 ranks, M in {1, 2, 4, 8, 16, 32, 64} tokens, uniform
 and skewed (Zipf) routing; ours (`per_route` = MegaExperts, `grouped` = GroupedExperts, each
-after the split-K router) vs the best stock path built from library parts here, the torch
-reference, and the HBM floor.
+after the split-K router; `fused_router`: MegaExperts with the router GEMM inside its routing
+launch, three launches) vs the best stock path built from library parts here, the torch
+reference, and the HBM floor. `fused_router` routes by its router's own logits (random
+weights and tokens: uniform routing only), so its row is checked against the four-launch
+path on those logits and its floor counts the experts they touch.
 
 Library stock: the router on cuBLAS with an FP32 output, torch's routing ops, then per touched
 expert torch's block-scaled `_scaled_mm` (CUTLASS) for gate_up and down with torch's
@@ -61,7 +64,8 @@ VLLM_ROW = (
 )
 # per_route_side: MegaExperts without the shared expert, which runs beside them on a second
 # stream inside the graph (gemm.SharedExpert), added at the end.
-PATHS = {"per_route": MegaExperts, "grouped": GroupedExperts, "per_route_side": MegaExperts}
+PATHS = {"per_route": MegaExperts, "grouped": GroupedExperts, "per_route_side": MegaExperts,
+         "fused_router": MegaExperts}  # fmt: skip
 
 
 def fp8_stack(count: int, n: int, k: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,6 +236,27 @@ def layer_call(router, experts, shared_mlp, stream, x, logits):
     return run
 
 
+def gated_row(path_ops, router_ops, xs, base, expert_bytes, bw, m) -> dict:
+    """`fused_router`: each copy's router inside its routing launch, on its own logits; the
+    check is the four-launch path on those logits, the floor the experts they touch."""
+    fns = [(lambda op=op, r=r, x=x: op.finalized(x, gate=r))
+           for op, r, x in zip(path_ops, router_ops, xs, strict=True)]  # fmt: skip
+    for c, op in enumerate(path_ops):
+        dummy = torch.zeros_like(xs[c])
+        op.finalized(dummy, gate=router_ops[c])  # compiled before the capture
+    own = [r(x) for r, x in zip(router_ops, xs, strict=True)]
+    want = path_ops[0].finalized(xs[0], own[0]).double()
+    got = fns[0]().double()
+    touched = sum(route_ref(lg, path_ops[0].bias, K, SCALING)[1].unique().numel() for lg in own)
+    nbytes = base["bytes"] + (touched / COPIES - base["touched_experts"]) * expert_bytes
+    floor = nbytes / bw * 1e6
+    us = graph_calls_us(fns)
+    return {**base, "floor_us": floor, "touched_experts": touched / COPIES, "bytes": nbytes,
+            "path": "fused_router", "us": us, "floor_ratio": us / floor,
+            "speedup_vs_library": None, "rel_error": ((got - want).norm() / want.norm()).item(),
+            "launches": call_launches(fns[0])}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", default="1,4")
@@ -312,6 +337,12 @@ def main() -> None:
                         router_ops[c].prepare([m])
                         op.prepare([m])
                         beside[c].prepare([m])
+                    if path == "fused_router":
+                        if routing == "uniform":
+                            rows.append(gated_row(path_ops, router_ops, xs, base, expert_bytes,
+                                                  bw, m))  # fmt: skip
+                            print(json.dumps(rows[-1]))
+                        continue
                     fns = [
                         layer_call(router_ops[c], op, beside[c] if side(path) else None, stream,
                                    xs[c], logits[c])

@@ -1,6 +1,7 @@
 """The MoE routing check shared by the kernel tests and the whole-step tests: the experts a
 router's logits pick (sigmoid scores + correction bias, top-k, ties to the lower id) and
-their renormalized, scaled weights, tolerant only where two choices are within a few ulps."""
+their renormalized, scaled weights, tolerant only where two choices are within a few ulps;
+and `recording`, which keeps the logits and routes of an experts op's calls."""
 
 import torch
 
@@ -24,3 +25,15 @@ def assert_routing(logits, bias, k, scaling, ids, weights):
     s = torch.sigmoid(logits.float()).gather(1, ids)
     want = s / (s.sum(-1, keepdim=True) + 1e-20) * scaling
     torch.testing.assert_close(weights, want, rtol=2.0**-20, atol=0)
+
+
+def recording(run, seen: list):
+    """An experts op's `_run` that also keeps each call's (router logits, MoeRows): the
+    logits it routed from, given or (the router inside the routing launch) computed."""
+
+    def recorded(x, m, logits, ids, weights, **kw):
+        rows, out = run(x, m, logits, ids, weights, **kw)
+        seen.append((logits, rows))
+        return rows, out
+
+    return recorded

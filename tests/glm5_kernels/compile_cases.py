@@ -36,9 +36,14 @@ def _compile(kernel, types: dict, constexprs: dict, arch: int, **options) -> str
 def bf16_cases(arch: int) -> int:
     n = 0
     for bm, split in ((16, 1), (64, 4)):
-        types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32"}
-        types |= {"count_ptr": "*i32", **INTS}
+        # As the LM head (FP32 logits of BF16 values) at split K; at one split, as the MLA q_b
+        # with the indexer's wq_b after it (a second weight).
+        head = split > 1
+        types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32" if head else "*bf16"}
+        types |= {"part_ptr": "*fp32", "count_ptr": "*i32", "w2_off": "i64", "n_first": "i32"}
+        types |= INTS
         constexprs = {"BM": bm, "BN": 64, "BK": 128, "SPLIT_K": split, "EVEN_K": True, **COMMON}
+        constexprs |= {"ROUND_BF16": head, "THEN": not head}
         ptx = _compile(bf16_gemm_kernel, types, constexprs, arch, num_warps=4, num_stages=4)
         if arch == 90:  # tensor cores, pipelined weight loads, programmatic dependent launch
             for needed in ("wgmma", "cp.async", "griddepcontrol.wait"):
@@ -76,14 +81,21 @@ def fp8_cases(arch: int) -> int:
 
 
 def moe_cases(arch: int) -> int:
-    """The MoE stage's three kernels with the tiles its plans pick at the real shapes (288
+    """The MoE stage's kernels with the tiles its plans pick at the real shapes (288
     experts, top-8, hidden 4096; TP 1 and TP 4 ranks; per-route and grouped; 1, 8, 64
-    tokens), each distinct configuration once."""
+    tokens; the router GEMM inside the routing launch on the Router's tiles), each distinct
+    configuration once."""
     from types import SimpleNamespace
 
+    from glm5_kernels.gemm.linear import plan
     from glm5_kernels.launch import next_pow2
     from glm5_kernels.moe.experts import GroupedExperts, MegaExperts
-    from glm5_kernels.moe.triton_moe import down_kernel, gate_up_kernel, route_kernel
+    from glm5_kernels.moe.triton_moe import (
+        down_kernel,
+        gate_up_kernel,
+        route_kernel,
+        router_route_kernel,
+    )
 
     ints = {n: "i32" for n in ("M", "E", "D", "I", "G", "CHUNK", "stride_lm", "stride_xm")}
     ints["stride_om"] = "i32"
@@ -93,6 +105,7 @@ def moe_cases(arch: int) -> int:
     for n in ("ids_ptr", "route_row_ptr", "group_expert_ptr", "group_row_ptr", "count_ptr"):
         ptrs[n] = "*i32"
     ptrs |= {"group_count_ptr": "*i32", "row_token_ptr": "*i32"}
+    ptrs |= {"gate_ptr": "*bf16", "part_ptr": "*fp32", "K_TILES": "i32"}
     seen: set = set()
     for cls in (MegaExperts, GroupedExperts):
         for tp in (1, 4):
@@ -118,6 +131,14 @@ def moe_cases(arch: int) -> int:
                                    **common},
                      p.warps, p.stages_down),
                 ]  # fmt: skip
+                if cls is MegaExperts:  # fused_router: the Router's tile for m tokens
+                    t = plan(m, 288, 4096, sms=132, fp8=False, pdl=True)
+                    cases.append((router_route_kernel, {
+                        "MAX_CHUNKS": -(-m // p.chunk), "TOP_K": 8, "KP": 8,
+                        "BR": max(2, next_pow2(m * 8)), "BE": 512, "BM": t.bm, "BN": t.bn,
+                        "BK": t.bk, "SPLIT_K": t.split_k, "BT": min(4, next_pow2(m)),
+                        "UE8M0": e8m0, "QUANT_GROUPS": 8, "INTERPRETER": False, "PDL": True,
+                        "PREFETCH": t.prefetch, "SHARED": True}, t.warps, t.stages))  # fmt: skip
                 if m == 8 and tp == 4:  # the shared expert beside the launches (shared=None)
                     cases += [(k, {**c, "SHARED": False}, w, st) for k, c, w, st in cases
                               if k is not gate_up_kernel]  # fmt: skip
@@ -128,7 +149,9 @@ def moe_cases(arch: int) -> int:
                     seen.add(key)
                     ptx = _compile(kernel, types, constexprs, arch, num_warps=warps,
                                    num_stages=stages)  # fmt: skip
-                    if arch == 90 and kernel is not route_kernel:
+                    if arch == 90 and kernel is router_route_kernel:  # a 16-row MMA, no wgmma
+                        assert "mma" in ptx and "griddepcontrol.wait" in ptx, key
+                    elif arch == 90 and kernel is not route_kernel:
                         assert "wgmma" in ptx and "griddepcontrol.wait" in ptx, key
     return len(seen)
 

@@ -132,6 +132,51 @@ def test_block_diagonal_projection(m, n, k, split):
 
 
 @interpreter
+@pytest.mark.parametrize("m, n, k, split", [(1, 100, 1100, True), (5, 300, 1000, False)])
+def test_fp32_output_of_bf16_values(m, n, k, split):
+    """bf16_values (the LM head's logits): the BF16 output's values, widened to FP32 by the
+    kernel, bit for bit (the same sums, rounded once), through the split-K fixup and the
+    direct store; refused for a BF16 output."""
+    gen = torch.Generator().manual_seed(m + k)
+    x, w = bf16_inputs(m, n, k, "cpu", gen)
+    split_k = None if split else ()
+    op = Projection(w, split_k, out_dtype=torch.float32, bf16_values=True)
+    assert (op.tiles[m].split_k > 1) == split
+    y = op(x, out=poisoned(m, n, torch.float32, "cpu"))
+    assert y.dtype == torch.float32
+    assert torch.equal(y, Projection(w, split_k)(x).float())
+    assert not torch.equal(y, Projection(w, split_k, out_dtype=torch.float32)(x))  # rounded
+    with pytest.raises(ValueError, match="bf16_values: for a float32 output"):
+        Projection(w, bf16_values=True)
+
+
+@interpreter
+@pytest.mark.parametrize(
+    "m, n1, n2, k, split", [(1, 128, 96, 1024, True), (5, 256, 64, 384, False)]
+)
+def test_projection_then_a_second_weight(m, n1, n2, k, split):
+    """`then`: a second weight of the same input read in place as the output columns after
+    the first's (the MLA q_b and the indexer's wq_b in one launch), through the split-K fixup
+    and the direct store, wherever the two were allocated (the second before the first too);
+    a first weight whose rows a column tile would straddle is refused."""
+    gen = torch.Generator().manual_seed(m + n1)
+    x = bf16_inputs(m, 1, k, "cpu", gen)[0]
+    second, first = ((torch.randn(n, k, generator=gen) / k**0.5).bfloat16() for n in (n2, n1))
+    split_k = None if split else ()
+    op = Projection(first, split_k, then=second)
+    assert (op.tiles[m].split_k > 1) == split and op.n == n1 + n2
+    y = op(x, out=poisoned(m, n1 + n2, torch.bfloat16, "cpu"))
+    w = torch.cat([first, second])
+    assert_linear_close(y, linear_ref(x, w, torch.float64),
+                        linear_ref(x.abs(), w.abs(), torch.float64), k, True)  # fmt: skip
+    assert torch.equal(y, Projection(w, split_k)(x))  # the same sums, tile by tile
+    with pytest.raises(ValueError, match="rows are not a multiple of the column tiles"):
+        Projection(first[:40].contiguous(), then=second)
+    with pytest.raises(ValueError, match="then: K=64, the weight's is"):
+        Projection(first, then=second[:, :64].contiguous())
+
+
+@interpreter
 def test_router_is_fp32_and_splits():
     gen = torch.Generator().manual_seed(7)
     x, w = bf16_inputs(3, 288, 1024, "cpu", gen)

@@ -154,3 +154,44 @@ def test_kda_gate_projections_in_one_launch(tp):
             exact = linear_ref(xb, wb, torch.float64)
             abs_product = linear_ref(xb.abs(), wb.abs(), torch.float64)
             assert_linear_close(y[:, b * n : (b + 1) * n], exact, abs_product, k, True)
+
+
+@pytest.mark.parametrize("tp", [4, 8])
+def test_q_b_and_wq_b_in_one_launch(tp):
+    """The MLA q_b (the rank's heads x 256) and the indexer's wq_b (32 x 128) of one q_resid
+    in one launch, each weight read in place (the second allocated first: a negative offset):
+    the output equals
+    one projection over the two stacked, bit for bit (the same tiles), and the stacked
+    product within its bound; the LM head's FP32 logits of BF16 values (`bf16_values`) equal
+    its BF16 output widened."""
+    from glm5_kernels.gemm.shapes import (
+        HIDDEN,
+        INDEX_DIM,
+        INDEX_HEADS,
+        MLA_HEADS,
+        NOPE,
+        Q_LORA,
+        VOCAB,
+    )
+
+    gen = torch.Generator("cuda").manual_seed(tp)
+    k = Q_LORA
+    wq_b = torch.randn(INDEX_HEADS * INDEX_DIM, k, generator=gen, device="cuda") / k**0.5
+    q_b = torch.randn(MLA_HEADS * NOPE // tp, k, generator=gen, device="cuda") / k**0.5
+    q_b, wq_b = q_b.bfloat16(), wq_b.bfloat16()
+    both = Projection(q_b, TOKENS, then=wq_b)
+    stacked = torch.cat([q_b, wq_b])
+    whole = Projection(stacked, TOKENS)
+    head_w = torch.randn(VOCAB // tp, HIDDEN, generator=gen, device="cuda") / HIDDEN**0.5
+    head_w = head_w.bfloat16()
+    head = Projection(head_w, TOKENS, out_dtype=torch.float32, bf16_values=True)
+    head_bf16 = Projection(head_w, TOKENS)
+    for m in TOKENS:
+        x = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
+        y = both(x, out=poisoned(m, both.n, torch.bfloat16, "cuda"))
+        assert torch.equal(y, whole(x)), m
+        exact = linear_ref(x, stacked, torch.float64)
+        assert_linear_close(y, exact, linear_ref(x.abs(), stacked.abs(), torch.float64), k, True)
+        h = torch.randn(m, HIDDEN, generator=gen, device="cuda").bfloat16()
+        logits = head(h, out=poisoned(m, VOCAB // tp, torch.float32, "cuda"))
+        assert torch.equal(logits, head_bf16(h).float()), m

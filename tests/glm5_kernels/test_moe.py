@@ -17,6 +17,7 @@ from moe_cases import (
     moe_weights,
     routings,
 )
+from moe_routing import recording
 
 from glm5_kernels.moe import GroupedExperts, MegaExperts, MoeRows, moe_rows_ref
 
@@ -223,3 +224,50 @@ def test_shared_expert_beside_the_routed_ones(weights):
     assert_same_sum(beside(x), MoeLayer(router, {m: together})(x))
     with pytest.raises(ValueError, match="exactly one"):
         MoeLayer(router, {m: together}, shared_mlp=shared)
+
+
+@interpreter
+@pytest.mark.parametrize("d, m", [(256, 6), (1024, 1), (1024, 3)])
+def test_router_inside_the_routing_launch(d, m):
+    """finalized(x, gate=Router): the router GEMM on the Router's split-K tiles inside the
+    routing launch. Its logits (summed from the splits by the last program) equal the
+    separate Router's bit for bit, the routing is route_ref's from them, and the output is
+    the four-launch path's on those logits, exactly; the arrival counter is back at zero
+    for the next launch (a graph replay). At d 1024 K splits in two (the partials' path);
+    at d 256, m 6 some programs only quantize their token. Exact ties: a zero gate."""
+    from glm5_kernels.gemm import Router
+    from glm5_kernels.moe import MoeLayer
+
+    gen = torch.Generator().manual_seed(d + m)
+    w = moe_weights(E, d, I, "cpu", gen)
+    x = padded(torch.randn(m, d, generator=gen).bfloat16())
+    bias = torch.randn(E, generator=gen) * 0.1
+    gates = {
+        "random": ((torch.randn(E, d, generator=gen) / d**0.5).bfloat16(), bias),
+        "ties": (torch.zeros(E, d, dtype=torch.bfloat16),
+                 routings(m, E, "cpu", gen, bias)["ties"][1]),
+    }  # fmt: skip
+    for name, (gate_w, b) in gates.items():
+        router = Router(gate_w)
+        assert router.tiles[m].split_k == (2 if d == 1024 else 1), router.tiles[m]
+        op = MegaExperts(*w[:4], bias=b, shared=w[4], top_k=K, routed_scaling=SCALING,
+                         swiglu_limit=LIMIT)  # fmt: skip
+        seen = []
+        op._run = recording(op._run, seen)
+        out = op.finalized(x, out=poisoned(m, d, torch.bfloat16, "cpu"), gate=router)
+        ((logits, rows),) = seen
+        assert torch.equal(logits, router(x)), name
+        assert_routing(logits, b, K, SCALING, rows.ids, rows.weights)
+        ref = assert_rows_close(rows.rows, rows.route_row, x, rows.ids, rows.weights, w, LIMIT,
+                                False)  # fmt: skip
+        assert_output_close(out, ref, rows.weights)
+        assert torch.equal(out, op.finalized(x, logits.clone())), name
+        assert op._arrivals.item() == 0
+        assert torch.equal(op.finalized(x, gate=router), out), name  # launched again
+        layer = MoeLayer(router, {m: op}, gated=[m])
+        layer.prepare([m])
+        assert torch.equal(layer(x), out), name
+    with pytest.raises(ValueError, match=rf"gate: a Router \[8, {d}\] .* expected \[12, {d}\]"):
+        op.finalized(x, gate=Router(gate_w[:8]))
+    with pytest.raises(ValueError, match=r"gated token counts \[2\]"):
+        MoeLayer(router, {m: op}, gated=[2])

@@ -14,6 +14,7 @@ from moe_cases import (
     moe_weights,
     routings,
 )
+from moe_routing import recording
 
 from glm5_kernels.gemm import Router
 from glm5_kernels.moe import GroupedExperts, MegaExperts, MoeLayer
@@ -100,6 +101,45 @@ def test_graph_capture_and_unprepared_tokens(stage):
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="M=8 was not prepared"), torch.cuda.graph(graph):
         fresh.finalized(x, logits)
+
+
+def test_router_inside_the_routing_launch(stage):
+    """`fused_router` at the real shapes: the router GEMM in the routing launch. Its logits
+    within the FP32 sum's worst case of the exact product (D products of exact BF16 pairs,
+    each addition rounding: D 2^-24 of the absolute product), the routing route_ref's from
+    them, the output the four-launch path's on those logits exactly; captured in a CUDA
+    graph, a replay on new tokens equals an eager call (the arrival counter reset)."""
+    _, _, bias, ops = stage
+    gen = torch.Generator("cuda").manual_seed(23)
+    router_w = (torch.randn(E, D, generator=gen, device="cuda") / D**0.5).bfloat16()
+    router, op = Router(router_w), ops[MegaExperts]
+    run = op._run
+    for m in (1, 2, 3, 8, 13, 64):
+        x = padded(torch.randn(m, D, generator=gen, device="cuda").bfloat16())
+        seen = []
+        op._run = recording(run, seen)
+        try:
+            out = op.finalized(x, out=poisoned(m, D, torch.bfloat16, "cuda"), gate=router)
+        finally:
+            del op._run
+        ((logits, rows),) = seen
+        exact = x.double() @ router_w.double().T
+        bound = D * 2.0**-24 * (x.double().abs() @ router_w.double().abs().T)
+        assert (logits.double() - exact).abs().le(bound).all(), m
+        assert_routing(logits, bias, K, SCALING, rows.ids, rows.weights)
+        assert torch.equal(out, op.finalized(x, logits.clone())), m
+    layer = MoeLayer(router, {8: op}, gated=[8])
+    layer.prepare([8])
+    xs = [torch.randn(8, D, generator=gen, device="cuda").bfloat16() for _ in range(2)]
+    x = xs[0].clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = layer(x)
+    for new in xs:
+        x.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, layer(new))
 
 
 def test_shared_expert_beside_in_a_graph(stage):

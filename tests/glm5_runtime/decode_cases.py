@@ -2,7 +2,7 @@
 and `shadow`, which makes each stage op also run the stock op it replaces on the same input."""
 
 import torch
-from moe_routing import assert_routing
+from moe_routing import assert_routing, recording
 
 from glm5_kernels.dsa import (
     index_keys_ref,
@@ -14,16 +14,17 @@ from glm5_kernels.dsa import (
 )
 from glm5_kernels.kda import kda_decode_ref
 
-# The MoE stage: per-route at 1-2 tokens, grouped at 3 and 5-16 and 33-64 (16-token groups
-# cut there); at 4 and 17-32 the layer runs the router and shared expert stages beside the
-# stock routing and experts (the CPU suites' q = 2 steps: 2 and 4 tokens, q = 3: 3 and 9).
+# The MoE stage: per-route at 1-2 tokens, with the router GEMM inside the routing launch at
+# 3, grouped at 5-16 and 33-64 (16-token groups cut there); at 4 and 17-32 the layer runs the
+# router and shared expert stages beside the stock routing and experts (the CPU suites' q = 2
+# steps: 2 and 4 tokens, q = 3: 3 and 9).
 # The fused mHC boundaries everywhere but 17-20 tokens (the stock boundaries beside the
 # stages there): the CuTe DSL kernel at 1-8 and 21-64 tokens (where it builds: a CUDA GPU;
 # the Triton kernel otherwise), the Triton one at 9-16. The fused KDA step with the gates'
 # up-projections inside it at 1-2 tokens (fused_gates), after the stock f_b / g_b linears
 # at 3-64.
 ALL_STAGES = {
-    "moe": {"1-2": "per_route", "3": "grouped", "5-16": "grouped", "33-64": "grouped"},
+    "moe": {"1-2": "per_route", "3": "fused_router", "5-16": "grouped", "33-64": "grouped"},
     "boundary": {"1-8": "cute", "9-16": "triton", "21-64": "cute"},
     "kda": {"1-2": "fused_gates", "3-64": "fused"},
     "dsa_attn": {"1-64": "sparse"},
@@ -142,7 +143,11 @@ class Shadow:
                                  for n in parts], dim=-1)  # fmt: skip
                 self.pairs.append(("IndexerInputs", self.name, y, ref))
                 return y
-            if self.name.endswith(".f_b_g_b_proj"):  # two blocks: f_b on f_a, g_b on g_a
+            if self.name.endswith(".q_b_wq_b"):  # q_b | the indexer's wq_b, of one input
+                p = self.name.removesuffix("q_b_wq_b")
+                ref = torch.cat([self.rank.linear(x, p + n) for n in
+                                 ("q_b_proj.weight", "indexer.wq_b.weight")], dim=-1)  # fmt: skip
+            elif self.name.endswith(".f_b_g_b_proj"):  # two blocks: f_b on f_a, g_b on g_a
                 p, k = self.name.removesuffix("f_b_g_b_proj"), self.op.k
                 f = self.rank.linear(x[:, :k], p + "forget_gate.f_b_proj.weight")
                 ref = torch.cat([f, self.rank.linear(x[:, k:], p + "g_b_proj.weight")], dim=-1)
@@ -167,7 +172,7 @@ class Shadow:
         seen, saved = [], {}
         for experts in set(self.op.experts.values()):  # the call's routing, as it ran
             saved[experts] = vars(experts).get("_run")
-            experts._run = _recording(experts._run, seen)
+            experts._run = recording(experts._run, seen)
         try:
             y = self.op(x)
         finally:
@@ -240,17 +245,6 @@ class Shadow:
         self.pairs.append(("KdaState", self.name, rec.clone(), rec_ref))
         self.pairs.append(("KdaConv", self.name, conv.clone(), conv_ref))
         return y
-
-
-def _recording(run, seen):
-    """An experts op's `_run` that also keeps each call's (router logits, MoeRows)."""
-
-    def recorded(x, m, logits, ids, weights, **kw):
-        rows, out = run(x, m, logits, ids, weights, **kw)
-        seen.append((logits, rows))
-        return rows, out
-
-    return recorded
 
 
 def record_choices(model) -> None:

@@ -22,8 +22,9 @@ STAGES: MappingProxyType[str, frozenset[str]] = MappingProxyType(
         # expert, each group's weights read once for its tokens: `per_route`, one group per
         # touched expert holding all of its tokens (every expert read once a step);
         # `grouped`, groups of at most 16 tokens (smaller MMA tiles, a hot expert read once
-        # per 16).
-        "moe": frozenset({"per_route", "grouped"}),
+        # per 16); `fused_router`, per_route's groups with the router GEMM inside the
+        # routing launch (three launches).
+        "moe": frozenset({"per_route", "grouped", "fused_router"}),
         # The shared expert's FP8 SwiGLU MLP as two skinny GEMMs (where `moe` does not run
         # it within its own launches).
         "shared_expert": frozenset({"gemv"}),

@@ -10,7 +10,8 @@ whole-sublayer stage serves:
   * `dense_mlp` (`DenseMlp`) and `moe`, whole sublayers: the block-FP8 SwiGLU MLP, and the
     whole MoE layer (router, routing, routed + shared experts, summed) as one `MoeLayer` in
     four launches, its experts `MegaExperts` (`per_route`) or `GroupedExperts` (`grouped`)
-    per token count; the `router` and `shared_expert` stages serve only the token counts it
+    per token count, or three (`fused_router`: per_route's, the router GEMM inside the
+    routing launch); the `router` and `shared_expert` stages serve only the token counts it
     does not (where it cannot build, its whole sublayer runs stock);
   * `kda`, a whole sublayer (`sublayers.kda_attention`): each KDA layer's fused projection,
     f_b / g_b, conv -> gates -> delta rule -> gated norm as one `KdaDecode` launch, and
@@ -67,6 +68,7 @@ from .sublayers import (
     INDEXER_PARTS,
     KDA_PARTS,
     MLA_PARTS,
+    Q_B_WQ_B,
     kda_attention,
     mla_attention,
 )
@@ -90,6 +92,18 @@ def _gate_projections(f_b: Tensor, g_b: Tensor, tokens: list[int]) -> Projection
         return None
     try:
         return Projection(torch.cat([f_b, g_b]), tokens, blocks=2)
+    except ValueError:
+        return None
+
+
+def _stacked_projection(q_b: Tensor, wq_b: Tensor | None, tokens: list[int]):
+    """A full indexer layer's q_b and wq_b (both of q_resid) as one `Projection` reading both
+    weights in place (one launch, one wave over the SMs where each alone fills about half),
+    None without wq_b or where a column tile would straddle the two (then two launches)."""
+    if wq_b is None or q_b.shape[1] != wq_b.shape[1] or q_b.dtype != wq_b.dtype:
+        return None
+    try:
+        return Projection(q_b, tokens, then=wq_b)
     except ValueError:
         return None
 
@@ -242,7 +256,8 @@ class LayerStages:
 
     def _moe(self, tokens: list[int]) -> None:
         """Each MoE layer as one op (router, routing, routed + shared experts, summed): four
-        launches, the experts cut per the policy's choice at each token count."""
+        launches (three with `fused_router`), the experts cut per the policy's choice at each
+        token count."""
         b = self.backbone
         if b.routing is None:
             raise ValueError("the backbone's MoE routing is not GLM's (Backbone.routing)")
@@ -264,16 +279,20 @@ class LayerStages:
                     raise ValueError(f"{p}: no {', '.join(missing)} (block-FP8 experts expected)")
                 router, bias, w13, s13, w2, s2, g, gs, u, us, d, ds = w
                 shared = (_stacked(g, u), _stacked(gs, us), d, ds)
+                # fused_router: per_route's experts, the router GEMM in their routing launch.
                 kinds = {"per_route": MegaExperts, "grouped": GroupedExperts}
+                kind_of = {m: "per_route" if c == "fused_router" else c for m, c in choice.items()}
                 ops = {
                     kind: cls(
                         w13, s13, w2, s2, bias=bias, shared=shared,
                         top_k=b.routing.top_k, routed_scaling=b.routing.routed_scaling,
                         swiglu_limit=b.swiglu_limit, ue8m0=b.ue8m0,
                     )
-                    for kind, cls in kinds.items() if kind in choice.values()
+                    for kind, cls in kinds.items() if kind in kind_of.values()
                 }  # fmt: skip
-                op = MoeLayer(Router(router), {m: ops[c] for m, c in choice.items()})
+                gated = [m for m, c in choice.items() if c == "fused_router"]
+                op = MoeLayer(Router(router), {m: ops[c] for m, c in kind_of.items()},
+                              gated=gated)  # fmt: skip
                 self._add(op, tokens, shard, p, sublayer=True)
 
     def _kda(self, tokens: list[int]) -> None:
@@ -359,13 +378,16 @@ class LayerStages:
                 op = LatentWrite(*norms, mla.norm_eps, max_rows=max(tokens))
                 self._add(op, tokens, shard, f"{p}.latent", sublayer=True)
                 names = ["fused_qkv_a_proj", "q_b_proj", "o_proj", "indexer.wq_b"]
-                for n in names:
-                    weight = b.weight(shard, f"{p}.{n}.weight")
-                    if weight is None and n == "indexer.wq_b":
-                        continue  # a shared-indexer layer
-                    if weight is None:
-                        raise ValueError(f"no {p}.{n}.weight")
-                    self._add(Projection(weight, tokens), tokens, shard, f"{p}.{n}.weight",
+                weights = {n: b.weight(shard, f"{p}.{n}.weight") for n in names}
+                missing = [n for n, t in weights.items() if t is None and n != "indexer.wq_b"]
+                if missing:  # (no wq_b: a shared-indexer layer)
+                    raise ValueError(f"no {', '.join(f'{p}.{n}.weight' for n in missing)}")
+                both = _stacked_projection(weights["q_b_proj"], weights["indexer.wq_b"], tokens)
+                if both is not None:  # q_b and wq_b in one launch
+                    self._add(both, tokens, shard, f"{p}.{Q_B_WQ_B}", sublayer=True)
+                    names = [n for n in names if n not in ("q_b_proj", "indexer.wq_b")]
+                for n in (n for n in names if weights[n] is not None):
+                    self._add(Projection(weights[n], tokens), tokens, shard, f"{p}.{n}.weight",
                               sublayer=True)  # fmt: skip
 
     def _indexers(self, stage: str):
@@ -521,10 +543,17 @@ class LayerStages:
         selection is kept for the shared layers after it (`_selections`, per shard); where the
         placement carries a selection (the indexers skipped), every layer attends that."""
         b, p = self.backbone, f"layers.{layer.index}.self_attn"
-        ops = {s: {n: self._serving.get((s, f"{p}.{n}")) for n in MLA_PARTS} for s in b.shards}
-        # A full indexer layer: the `dsa_attn` stage built its query projection (wq_b).
-        full = {s: o["indexer.wq_b.weight"] is not None for s, o in ops.items()}
+        parts = (*MLA_PARTS, Q_B_WQ_B)
+        ops = {s: {n: self._serving.get((s, f"{p}.{n}")) for n in parts} for s in b.shards}
+        # A full indexer layer: the `dsa_attn` stage built its query projection (wq_b), apart
+        # or with q_b (then neither is apart).
+        full = {s: o["indexer.wq_b.weight"] is not None or o[Q_B_WQ_B] is not None
+                for s, o in ops.items()}  # fmt: skip
         needed = {s: MLA_PARTS if full[s] else MLA_PARTS[: -len(INDEXER_PARTS)] for s in ops}
+        for s, o in ops.items():
+            if o[Q_B_WQ_B] is not None:
+                needed[s] = [n for n in needed[s] if n not in ("q_b_proj.weight",
+                                                               "indexer.wq_b.weight")]  # fmt: skip
         if x.dtype != torch.bfloat16 or any(
             ops[s][name] is None for s in ops for name in needed[s]
         ):
@@ -608,9 +637,12 @@ class SpecializedDecode(LayerStages):
         self.head: dict[int, list[Projection]] = {}
 
         def heads(tokens: list[int]) -> None:
+            # FP32 logits of BF16 values, as the stock head's BF16 GEMM + cast: one launch.
             ops = [
-                Projection(backbone.weight(s, "lm_head.weight"), tokens) for s in backbone.shards
-            ]
+                Projection(backbone.weight(s, "lm_head.weight"), tokens, out_dtype=torch.float32,
+                           bf16_values=True)
+                for s in backbone.shards
+            ]  # fmt: skip
             for op in ops:
                 self._add(op, tokens, None, None)  # not a route: compute_logits calls it
             self.head = {b: ops for b in tokens}
@@ -789,7 +821,7 @@ class SpecializedDecode(LayerStages):
         x = hidden.reshape(-1, hidden.shape[-1])
         if self.serves_logits(hidden):
             x = x.contiguous()
-            shards = [h(x).float() for h in self.head[x.shape[0]]]
+            shards = [h(x) for h in self.head[x.shape[0]]]
         else:
             shards = [b.head(s, x) for s in b.shards]
         if self.logits_gather is not None and x.shape[0] in self.gather_tokens:

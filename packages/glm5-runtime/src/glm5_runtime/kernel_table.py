@@ -48,6 +48,7 @@ _HOLDS = {
     ".kda": ("conv1d.", "forget_gate.dt_bias", "forget_gate.A_log", "o_norm."),
     ".f_b_g_b_proj": ("forget_gate.f_b_proj.", "g_b_proj."),
     ".dsa_attn": ("kv_b_proj.",),
+    ".q_b_wq_b": ("q_b_proj.", "indexer.wq_b."),
     ".latent": ("q_a_layernorm.", "kv_a_layernorm."),
     ".indexer.kpool": ("indexer.index_kpool_compress_ape",),
     ".indexer.inputs": ("indexer.wk.", "indexer.index_kpool_compress_gate",

@@ -17,7 +17,8 @@ from torch import Tensor
 
 from .protocol import KdaPlacement, MlaCaches, MlaPlacement
 
-__all__ = ["GATES_B", "INDEXER_PARTS", "KDA_PARTS", "MLA_PARTS", "kda_attention", "mla_attention"]
+__all__ = ["GATES_B", "INDEXER_PARTS", "KDA_PARTS", "MLA_PARTS", "Q_B_WQ_B", "kda_attention",
+           "mla_attention"]  # fmt: skip
 
 # A KDA sublayer's ops by name under `layers.{i}.self_attn.`: the fused input projection
 # (q | k | v | b | f_a | g_a), the gates' up-projections (apart, or as one two-block op;
@@ -82,6 +83,9 @@ def _aligned(rows: Tensor) -> Tensor:
 INDEXER_PARTS = ("indexer.wq_b.weight", "indexer.inputs", "indexer.kpool", "indexer.topk")
 MLA_PARTS = ("fused_qkv_a_proj.weight", "latent", "q_b_proj.weight", "dsa_attn",
              "o_proj.weight", *INDEXER_PARTS)  # fmt: skip
+# A full indexer layer's q_b and wq_b as one projection of q_resid (`Projection(then=)`), in
+# place of both.
+Q_B_WQ_B = "q_b_wq_b"
 
 
 def mla_attention(x: Tensor, ops: Mapping[str, Any], caches: MlaCaches, place: MlaPlacement,
@@ -97,9 +101,15 @@ def mla_attention(x: Tensor, ops: Mapping[str, Any], caches: MlaCaches, place: M
     projected = ops["fused_qkv_a_proj.weight"](x)[:n]
     q_a, kv_a = projected.split([write.q_dim, write.latent_dim], dim=-1)
     q_resid = write(q_a, kv_a, caches.latent.view(-1, write.latent_dim), place.slots)
-    q = ops["q_b_proj.weight"](q_resid).view(n, attend.heads, -1)
+    both, q_index = ops.get(Q_B_WQ_B), None
+    if both is not None:  # q | the indexer's query: column views of one output
+        qs = both(q_resid)
+        q, q_index = qs[:, : both.n_first], qs[:, both.n_first :]
+    else:
+        q = ops["q_b_proj.weight"](q_resid)
+    q = q.view(n, attend.heads, -1)
     if selection is None:
-        selection = _select(rows, q_resid, ops, caches, place)
+        selection = _select(rows, q_resid, ops, caches, place, q_index)
     out = torch.empty(x.shape[0], attend.heads * attend.vd, dtype=x.dtype, device=x.device)
     if n < out.shape[0]:  # a padded step: finite rows into o_proj past the real ones
         out[n:].zero_()
@@ -109,12 +119,14 @@ def mla_attention(x: Tensor, ops: Mapping[str, Any], caches: MlaCaches, place: M
 
 
 def _select(x: Tensor, q_resid: Tensor, ops: Mapping[str, Any], caches: MlaCaches,
-            place: MlaPlacement) -> Tensor:  # fmt: skip
+            place: MlaPlacement, q: Tensor | None) -> Tensor:  # fmt: skip
     """A full indexer's step: the pools and ring written, each row's selected token
-    positions [N, W] int32 (-1: none)."""
+    positions [N, W] int32 (-1: none). `q`: its query rows where q_b's launch made them."""
     write, select = ops["indexer.kpool"], ops["indexer.topk"]
     (r, t), n, hd = place.positions.shape, x.shape[0], write.head_dim
-    q = ops["indexer.wq_b.weight"](q_resid).view(r, t, write.heads, hd)
+    if q is None:
+        q = ops["indexer.wq_b.weight"](q_resid)
+    q = q.view(r, t, write.heads, hd)
     sums = ops["indexer.inputs"](x)  # [N, hd | hd | heads] FP32: key, gate, head weights
     k, gate = (sums[:, i * hd : (i + 1) * hd].view(r, t, hd) for i in (0, 1))
     q8, q_scale = write(k, gate, q, caches.ring, caches.pools, place.pool_table,

@@ -119,6 +119,13 @@ def plan(
     return Tile(bm, bn, bk, splits, stages=stages, pdl=pdl, prefetch=2 if pdl else 0)
 
 
+def _offset(base: Tensor, t: Tensor) -> int:
+    """t's first element as an element offset from base's (same dtype: both aligned to it)."""
+    delta = t.data_ptr() - base.data_ptr()
+    assert delta % base.element_size() == 0
+    return delta // base.element_size()
+
+
 def _check_weight(name: str, w: Tensor, dtypes: tuple[torch.dtype, ...], problems: list[str]):
     if w.dim() != 2:
         problems.append(f"{name}: expected 2-D [N, K], got shape {tuple(w.shape)}")
@@ -212,10 +219,15 @@ class Projection(_SkinnyGemm):
     """BF16 projection y [M, N] = x [M, K] @ weightᵀ (weight [N, K] BF16), M <= max_tokens.
 
     `split_k_tokens`: the token counts allowed to split K (default: all; the plan still picks
-    one split where N alone fills the GPU). `out_dtype`: BF16 (default) or FP32. `blocks` B:
+    one split where N alone fills the GPU). `out_dtype`: BF16 (default) or FP32; FP32 with
+    `bf16_values` holds the BF16-rounded sums (what a BF16 GEMM then `.float()` gives: an LM
+    head's logits, without the cast's launch). `blocks` B:
     B projections of equal shapes in one launch, block-diagonal — x [M, B·K], weight the B
     weights stacked [N, K], output block b (columns b·N/B ..) from x's columns b·K .. (two
     low-rank up-projections whose inputs are adjacent columns of one projection's output).
+    `then` [N2, K]: a second weight of the same input, read in place as output columns
+    N..N+N2 (two projections in one launch, one wave over the SMs where each alone fills
+    half: the MLA q_b and the indexer's wq_b); N must be a multiple of every column tile.
     """
 
     def __init__(
@@ -226,17 +238,36 @@ class Projection(_SkinnyGemm):
         out_dtype: torch.dtype = torch.bfloat16,
         max_tokens: int = MAX_TOKENS,
         blocks: int = 1,
+        bf16_values: bool = False,
+        then: Tensor | None = None,
     ):
         problems: list[str] = []
         _check_weight("weight", weight, (torch.bfloat16,), problems)
+        if then is not None:
+            _check_weight("then", then, (torch.bfloat16,), problems)
+            if then.dim() == 2 and weight.dim() == 2 and then.shape[1] != weight.shape[1]:
+                problems.append(f"then: K={then.shape[1]}, the weight's is {weight.shape[1]}")
+            if then.device != weight.device:
+                problems.append(f"then: on {then.device}, weight on {weight.device}")
+            if blocks != 1:
+                problems.append("then: with blocks=1 only")
         if out_dtype not in (torch.bfloat16, torch.float32):
             problems.append(f"out_dtype {out_dtype}: expected bfloat16 or float32")
+        if bf16_values and out_dtype != torch.float32:
+            problems.append("bf16_values: for a float32 output (a BF16 one holds them already)")
         if blocks < 1 or weight.shape[0] % blocks:
             problems.append(f"blocks={blocks}: must divide the weight's {weight.shape[0]} rows")
         _raise(type(self).__name__, problems)
         self.weight, self.out_dtype, self._device = weight, out_dtype, weight.device
-        self.blocks = blocks
-        super().__init__(*weight.shape, weight.device, split_k_tokens, max_tokens)
+        self.blocks, self.bf16_values, self.then = blocks, bf16_values, then
+        n, k = weight.shape
+        super().__init__(n + (0 if then is None else then.shape[0]), k, weight.device,
+                         split_k_tokens, max_tokens)  # fmt: skip
+        uneven = sorted({t.bn for t in self.tiles.values() if n % t.bn})
+        if then is not None and uneven:  # a column tile must not straddle the two weights
+            raise ValueError(f"Projection: the first weight's {n} rows are not a multiple of "
+                             f"the column tiles {uneven}")  # fmt: skip
+        self.n_first = n
         uneven = sorted({t.bn for t in self.tiles.values() if (self.n // blocks) % t.bn})
         if blocks > 1 and uneven:  # a column tile must not straddle two blocks
             raise ValueError(f"Projection: {self.n // blocks} columns a block is not a multiple "
@@ -261,7 +292,9 @@ class Projection(_SkinnyGemm):
             self.n // self.blocks,
             BM=t.bm, BN=t.bn, BK=t.bk, SPLIT_K=t.split_k, EVEN_K=self.k % t.bk == 0,
             INTERPRETER=interpreting(), PDL=t.pdl, PREFETCH=t.prefetch,
-            num_warps=t.warps, num_stages=t.stages, launch_pdl=t.pdl,
+            ROUND_BF16=self.bf16_values, THEN=self.then is not None,
+            w2_off=0 if self.then is None else _offset(self.weight, self.then),
+            n_first=self.n_first, num_warps=t.warps, num_stages=t.stages, launch_pdl=t.pdl,
         )  # fmt: skip
         return out
 

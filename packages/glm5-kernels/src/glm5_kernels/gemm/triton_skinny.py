@@ -30,9 +30,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from glm5_kernels.triton_primitives import (
+    await_inputs,
     load_weight_scales,
     narrow,
-    prefetch_l2,
     quantize_groups,
 )
 
@@ -41,24 +41,13 @@ from glm5_kernels.triton_primitives import (
 
 
 @triton.jit
-def _await_inputs(w_rows_ptr, k_lo, K, ELEMENTS_PER_LINE: tl.constexpr,
-                  PDL: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
-    """Under PDL: warm L2 with this CTA's first weight lines, then wait for the predecessor.
-    (The successor is released after the main loop: releasing it right after this wait was
-    measured 0-30 % slower on the H200 — its CTAs compete for the SMs still streaming.)"""
-    if PDL:
-        if PREFETCH > 0:
-            cols = tl.minimum(k_lo + tl.arange(0, PREFETCH) * ELEMENTS_PER_LINE, K - 1)
-            prefetch_l2(w_rows_ptr[:, None] + cols[None, :])
-        gdc_wait()
-
-
-@triton.jit
 def _finish(acc, out_ptr, part_ptr, count_ptr, M, N, stride_om,
             BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr,
-            INTERPRETER: tl.constexpr, PARTIALS: tl.constexpr):  # fmt: skip
+            INTERPRETER: tl.constexpr, PARTIALS: tl.constexpr,
+            ROUND_BF16: tl.constexpr = False):  # fmt: skip
     """Store accᵀ [BN, BM] into out[M, N], through the split-K fixup when SPLIT_K > 1; with
-    PARTIALS, into out[split, M, N] (FP32) instead, for a consumer that sums the splits."""
+    PARTIALS, into out[split, M, N] (FP32) instead, for a consumer that sums the splits.
+    ROUND_BF16: FP32 out holding the BF16-rounded sums (a BF16 GEMM's output, widened)."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m = tl.arange(0, BM)
@@ -67,6 +56,8 @@ def _finish(acc, out_ptr, part_ptr, count_ptr, M, N, stride_om,
     if PARTIALS:
         tl.store(out_ptrs + tl.program_id(1) * M * stride_om, acc, mask=mask)
     elif SPLIT_K == 1:
+        if ROUND_BF16:
+            acc = narrow(acc, tl.bfloat16, INTERPRETER).to(tl.float32)
         tl.store(out_ptrs, narrow(acc, out_ptr.dtype.element_ty, INTERPRETER), mask=mask)
     else:
         tiles = tl.num_programs(0)
@@ -81,6 +72,8 @@ def _finish(acc, out_ptr, part_ptr, count_ptr, M, N, stride_om,
                 # .cg: L1 is not coherent across SMs; the other partials live in L2.
                 p = part_ptr + (s * tiles + pid_n) * BN * BM + tile
                 total += tl.load(p, cache_modifier=".cg")
+            if ROUND_BF16:
+                total = narrow(total, tl.bfloat16, INTERPRETER).to(tl.float32)
             tl.store(out_ptrs, narrow(total, out_ptr.dtype.element_ty, INTERPRETER), mask=mask)
             tl.atomic_xchg(count_ptr + pid_n, 0)
 
@@ -97,19 +90,26 @@ def bf16_gemm_kernel(
     n_block,  # output columns a block: column n reads x's K columns from (n // n_block) K
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRETER: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr, ROUND_BF16: tl.constexpr = False,
+    THEN: tl.constexpr = False,  # a second weight: rows n_first.. at w2_off elements from w_ptr
+    w2_off=0, n_first=0,
 ):  # fmt: skip
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     offs_m = tl.arange(0, BM)
     offs_k = tl.arange(0, BK)
-    w_rows = w_ptr + tl.minimum(offs_n, N - 1) * K
+    rows = tl.minimum(offs_n, N - 1)
+    if THEN:  # a tile never straddles the two (the host checks n_first % BN == 0)
+        w_rows = w_ptr + tl.where(rows < n_first, rows.to(tl.int64) * K,
+                                  w2_off + (rows - n_first).to(tl.int64) * K)  # fmt: skip
+    else:
+        w_rows = w_ptr + rows * K
     w_ptrs = w_rows[:, None] + offs_k[None, :]
     x_block = x_ptr + (tl.program_id(0) * BN // n_block) * K  # BN divides n_block (the host)
     x_ptrs = x_block + tl.minimum(offs_m, M - 1)[:, None] * stride_xm + offs_k[None, :]
     x_rows = offs_m[:, None] < M
     k_lo = tl.program_id(1) * K_TILES * BK
     k_hi = tl.minimum(k_lo + K_TILES * BK, K)
-    _await_inputs(w_rows, k_lo, K, 64, PDL, PREFETCH)
+    await_inputs(w_rows, k_lo, K, 64, PDL, PREFETCH)
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     for k in range(k_lo, k_hi, BK):
         if EVEN_K:
@@ -124,7 +124,8 @@ def bf16_gemm_kernel(
         acc = tl.dot(w, tl.trans(x), acc)
     if PDL:
         gdc_launch_dependents()
-    _finish(acc, out_ptr, part_ptr, count_ptr, M, N, stride_om, BM, BN, SPLIT_K, INTERPRETER, False)
+    _finish(acc, out_ptr, part_ptr, count_ptr, M, N, stride_om, BM, BN, SPLIT_K, INTERPRETER, False,
+            ROUND_BF16)  # fmt: skip
 
 
 @triton.jit
@@ -211,7 +212,7 @@ def fp8_gemm_kernel(
     xs_rows = xs_ptr + rows_m[:, None] * (K // BK)
     kt_lo = tl.program_id(1) * K_TILES
     kt_hi = tl.minimum(kt_lo + K_TILES, K // BK)
-    _await_inputs(w_ptr + rows_n * K, kt_lo * BK, K, 128, PDL, PREFETCH)
+    await_inputs(w_ptr + rows_n * K, kt_lo * BK, K, 128, PDL, PREFETCH)
     # The scales are plain loads (no MMA operand, so Triton does not pipeline them); used in
     # the step that loads them, every step would stall for an L2 round trip (measured on the
     # H200: a 50 MB FP8 GEMM streams at 66 % of HBM so, 74 % without the scale loads). So

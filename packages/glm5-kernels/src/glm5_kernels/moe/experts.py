@@ -1,6 +1,7 @@
 """The MoE stage of decode: routing and the routed + shared experts of M <= 64 tokens in three
-launches after the router GEMM (`MoeLayer`: four in all), reading each touched expert's FP8
-weights once per group of tokens.
+launches after the router GEMM (`MoeLayer`: four in all; three where the router GEMM runs in
+the routing launch, `gate=`), reading each touched expert's FP8 weights once per group of
+tokens.
 
 Two ways to cut the work, the policy's `moe` choices:
   * `MegaExperts` (`per_route`): one group per touched expert holding all of its tokens, so
@@ -182,8 +183,17 @@ class MegaExperts:
         rows, _ = self._run(x, m, logits, None, None, finalize=False)
         return rows
 
-    def finalized(self, x: Tensor, logits: Tensor, out: Tensor | None = None) -> Tensor:
-        """x [M, D] BF16, router logits [M, E] FP32 -> routed + shared output [M, D] BF16."""
+    def finalized(self, x: Tensor, logits: Tensor | None = None, out: Tensor | None = None, *,
+                  gate: Router | None = None) -> Tensor:  # fmt: skip
+        """x [M, D] BF16, router logits [M, E] FP32 -> routed + shared output [M, D] BF16.
+        With `gate` (the layer's `Router`) instead of logits, the router GEMM runs inside
+        the routing launch (`router_route_kernel`: three launches for the whole layer)."""
+        if gate is None and logits is None:
+            raise ValueError(f"{type(self).__name__}: finalized needs the router logits or gate=")
+        if gate is not None:
+            m = self._check(x, out=out, gate=gate)
+            logits = torch.empty(m, self.num_experts, dtype=torch.float32, device=self._device)
+            return self._run(x, m, logits, None, None, finalize=True, out=out, gate=gate)[1]
         m = self._check(x, logits=logits, out=out)
         return self._run(x, m, logits, None, None, finalize=True, out=out)[1]
 
@@ -197,7 +207,8 @@ class MegaExperts:
         rows, out = self._run(x, m, None, ids, weights, finalize=finalize)
         return out if finalize else rows
 
-    def _check(self, x: Tensor, *, logits=None, ids=None, weights=None, out=None) -> int:
+    def _check(self, x: Tensor, *, logits=None, ids=None, weights=None, out=None,
+               gate=None) -> int:  # fmt: skip
         name, problems = type(self).__name__, []
         d, e, k = self.hidden, self.num_experts, self.top_k
         if x.dim() != 2 or x.shape[1] != d or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
@@ -226,6 +237,11 @@ class MegaExperts:
         if out is not None and (out.shape != (m, d) or out.dtype != torch.bfloat16
                                 or out.stride(-1) != 1):  # fmt: skip
             problems.append(f"out: {tuple(out.shape)} {out.dtype}, expected [{m}, {d}] bfloat16")
+        if gate is not None and (gate.n != e or gate.k != d or gate.out_dtype != torch.float32):
+            problems.append(f"gate: a Router [{gate.n}, {gate.k}] -> {gate.out_dtype}, expected "
+                            f"[{e}, {d}] -> float32 logits")  # fmt: skip
+        if gate is not None and not gate.supports(m):
+            problems.append(f"gate: M={m} outside its compiled range 1..{gate.max_tokens}")
         if problems:
             raise ValueError(f"{name}: " + "; ".join(problems))
         first_call(self, m)
@@ -253,9 +269,12 @@ class MegaExperts:
             rows=torch.empty(rows_total, d, dtype=torch.float32, device=dev),
         )  # fmt: skip
 
-    def _run(self, x, m, logits, ids, weights, *, finalize: bool, out=None):
+    def _run(self, x, m, logits, ids, weights, *, finalize: bool, out=None, gate=None):
         b = self._buffers(x, m, logits, ids, weights, finalize, out)
-        self._route(b)
+        if gate is None:
+            self._route(b)
+        else:
+            self._route_gated(b, gate)
         self._gate_up(b)
         self._down(b)
         return MoeRows(b.rows, b.route_row, b.weights, b.ids, self.shared), b.out
@@ -274,6 +293,27 @@ class MegaExperts:
             BR=max(2, next_pow2(m * self.top_k)), BE=next_pow2(self.num_experts + 1), ROUTE=b.route,
             UE8M0=self.ue8m0, QUANT_GROUPS=8, INTERPRETER=self._interp, PDL=pdl,
             SHARED=self.shared, num_warps=p.warps_route, launch_pdl=pdl,
+        )  # fmt: skip
+
+    def _route_gated(self, b: SimpleNamespace, gate: Router) -> None:
+        """The router GEMM on the Router's tile for M tokens (its split-K partials summed by
+        the launch's last program instead of each column tile's), then the routing."""
+        from .triton_moe import router_route_kernel
+
+        p, m, pdl, t = self.plans[b.m], b.m, self._pdl, gate.tiles[b.m]
+        e, d = self.num_experts, self.hidden
+        k_tiles = -(-d // t.bk)
+        grid = max(-(-e // t.bn) * t.split_k, m)
+        part = torch.empty(t.split_k, m, e, dtype=torch.float32, device=self._device)
+        router_route_kernel[(grid,)](
+            gate.weight, part, b.logits, self.bias, b.ids, b.weights, b.route_row, b.group[0],
+            b.group[1], b.group[2], b.row_token, b.x, b.xq, b.xs, self._arrivals, m, e, d,
+            b.x.stride(0), self.routed_scaling, p.groups, p.chunk, -(-k_tiles // t.split_k),
+            MAX_CHUNKS=-(-m // p.chunk), TOP_K=self.top_k, KP=next_pow2(self.top_k),
+            BR=max(2, next_pow2(m * self.top_k)), BE=next_pow2(e + 1), BM=t.bm, BN=t.bn,
+            BK=t.bk, SPLIT_K=t.split_k, BT=min(4, next_pow2(m)), UE8M0=self.ue8m0,
+            QUANT_GROUPS=8, INTERPRETER=self._interp, PDL=pdl, PREFETCH=t.prefetch if pdl else 0,
+            SHARED=self.shared, num_warps=t.warps, num_stages=t.stages, launch_pdl=pdl,
         )  # fmt: skip
 
     def _gate_up(self, b: SimpleNamespace) -> None:
@@ -316,18 +356,24 @@ class GroupedExperts(MegaExperts):
 class MoeLayer:
     """A whole MoE layer's decode for the token counts it serves: the BF16 router (split-K,
     FP32 logits), then the experts op the policy picked for that count, finalized: x [M, D]
-    BF16 -> routed + shared output [M, D] BF16 (this rank's TP-partial).
+    BF16 -> routed + shared output [M, D] BF16 (this rank's TP-partial). At the `gated`
+    token counts the router GEMM runs inside the experts' routing launch (three launches).
 
     `shared_mlp` (a `SharedExpert`, with experts built `shared=None`): the shared expert
     runs on a second stream beside the router and routed experts (forked and joined inside
     a CUDA graph as well) and is added at the end — the seed's other way to run it, for the
     benchmark to weigh against one more group of the same launches."""
 
-    def __init__(self, router: Router, experts: dict[int, MegaExperts], shared_mlp=None):
+    def __init__(self, router: Router, experts: dict[int, MegaExperts], shared_mlp=None,
+                 gated: Iterable[int] = ()):  # fmt: skip
         if any(op.shared == (shared_mlp is not None) for op in experts.values()):
             raise ValueError("MoeLayer: the shared expert belongs either to the experts op "
                              "(shared=...) or to shared_mlp, exactly one")  # fmt: skip
         self.router, self.experts, self.shared_mlp = router, dict(experts), shared_mlp
+        self.gated = frozenset(gated)  # token counts whose router runs in the routing launch
+        if not self.gated <= set(self.experts):
+            raise ValueError(f"MoeLayer: gated token counts {sorted(self.gated - set(experts))} "
+                             "have no experts op")  # fmt: skip
         self._stream = None
 
     def supports(self, m: int) -> bool:
@@ -340,20 +386,29 @@ class MoeLayer:
             self.shared_mlp.prepare(tokens)
         for m in tokens:
             self.experts[m].prepare([m])
+            if m in self.gated:
+                dev = self.router.weight.device
+                x = torch.zeros(m, self.router.k, dtype=torch.bfloat16, device=dev)
+                self.experts[m].finalized(x, gate=self.router)
+
+    def _routed(self, x: Tensor) -> Tensor:
+        experts = self.experts[x.shape[0]]
+        if x.shape[0] in self.gated:
+            return experts.finalized(x, gate=self.router)
+        return experts.finalized(x, self.router(x))
 
     def __call__(self, x: Tensor) -> Tensor:
-        experts = self.experts[x.shape[0]]
         if self.shared_mlp is None:
-            return experts.finalized(x, self.router(x))
+            return self._routed(x)
         if not x.is_cuda:
-            return experts.finalized(x, self.router(x)) + self.shared_mlp(x)
+            return self._routed(x) + self.shared_mlp(x)
         main = torch.cuda.current_stream(x.device)
         if self._stream is None:
             self._stream = torch.cuda.Stream(x.device)
         self._stream.wait_stream(main)
         with torch.cuda.stream(self._stream):
             shared = self.shared_mlp(x)
-        routed = experts.finalized(x, self.router(x))
+        routed = self._routed(x)
         main.wait_stream(self._stream)
         return routed + shared  # BF16 + BF16: the stock sum's rounding
 

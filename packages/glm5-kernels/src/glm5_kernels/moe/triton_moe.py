@@ -6,6 +6,8 @@
                  into groups of at most CHUNK tokens (one group = one expert's weights read
                  once for all of its tokens in the group). The other M programs quantize the
                  tokens to FP8 in 1x128 groups, once for every expert that reads them.
+                 router_route_kernel: the same with the router GEMM in it (the split-K
+                 Router's tiles; the last program sums the partials and routes every token).
   gate_up_kernel a CTA per (group, BN gate columns): gate and up tiles of that expert against
                  the group's gathered tokens, clamped SwiGLU in the epilogue, BF16 rows.
   down_kernel    a CTA per (group, BN output columns): the group's rows quantized in
@@ -24,6 +26,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from glm5_kernels.triton_primitives import (
+    await_inputs,
     load_weight_scales,
     narrow,
     prefetch_l2,
@@ -54,6 +57,51 @@ def _quantize_token(x_ptr, xq_ptr, xs_ptr, t, D, stride_xm, UE8M0: tl.constexpr,
         tl.store(xs_ptr + t * (D // 128) + groups, sx)
 
 
+@triton.jit
+def _lay_out(ids_ptr, route_row_ptr, group_expert_ptr, group_row_ptr, group_count_ptr,
+             row_token_ptr, M, E, G, CHUNK, MAX_CHUNKS: tl.constexpr, TOP_K: tl.constexpr,
+             BR: tl.constexpr, BE: tl.constexpr, SHARED: tl.constexpr):  # fmt: skip
+    """Every token's routes (ids, stored by other programs or threads before) laid out by the
+    one program that saw them all: sorted by (expert, route), route r of expert e is row
+    S + its position (SHARED: the shared expert holds rows 0..M-1 and the first groups,
+    S = M; else S = 0), so each expert's rows are contiguous and in token order; the groups
+    cut at CHUNK rows."""
+    routes = M * TOP_K
+    r = tl.arange(0, BR)
+    every = tl.load(ids_ptr + r, mask=r < routes, other=-1, cache_modifier=".cg")
+    ok = (r < routes) & (every >= 0) & (every < E)
+    e = tl.where(ok, every, BE - 1)  # BE > E: bin BE - 1 collects what is not a route
+    experts = tl.arange(0, BE)
+    count = tl.where(experts < E, tl.histogram(e, BE), 0)
+    order = tl.sort((e << 16) | r)  # by expert, then route (= token) order
+    route, pos = order & 0xFFFF, tl.arange(0, BR)
+    routed = (order >> 16) < E
+    s0 = M if SHARED else 0  # the routes' first row
+    tl.store(route_row_ptr + route, tl.where(routed, s0 + pos, -1), mask=route < routes)
+    tl.store(row_token_ptr + s0 + pos, route // TOP_K, mask=routed)
+    if SHARED:
+        tl.store(row_token_ptr + r, r, mask=r < M)
+    # Groups: the shared expert's chunks, then each touched expert's, then unused ones.
+    chunks = (count + CHUNK - 1) // CHUNK
+    row_base = s0 + tl.cumsum(count, axis=0) - count
+    g0 = tl.cdiv(M, CHUNK) if SHARED else 0  # the routed experts' first group
+    group_base = g0 + tl.cumsum(chunks, axis=0) - chunks
+    for i in tl.static_range(MAX_CHUNKS):
+        if SHARED and i * CHUNK < M:
+            tl.store(group_expert_ptr + i, E)
+            tl.store(group_row_ptr + i, i * CHUNK)
+            tl.store(group_count_ptr + i, tl.minimum(M - i * CHUNK, CHUNK))
+        mine = i < chunks
+        g = group_base + i
+        tl.store(group_expert_ptr + g, experts, mask=mine)
+        tl.store(group_row_ptr + g, row_base + i * CHUNK, mask=mine)
+        tl.store(group_count_ptr + g, tl.minimum(count - i * CHUNK, CHUNK), mask=mine)
+    used = g0 + tl.sum(chunks, axis=0)
+    for unused in range(0, G, BE):
+        g = unused + experts
+        tl.store(group_expert_ptr + g, -1, mask=(g >= used) & (g < G))
+
+
 @triton.jit(do_not_specialize=["M", "G", "CHUNK"])
 def route_kernel(
     logits_ptr,  # [M, E] FP32 router logits (ROUTE), row stride stride_lm
@@ -71,10 +119,8 @@ def route_kernel(
     ROUTE: tl.constexpr, UE8M0: tl.constexpr, QUANT_GROUPS: tl.constexpr,
     INTERPRETER: tl.constexpr, PDL: tl.constexpr, SHARED: tl.constexpr = True,
 ):  # fmt: skip
-    """Program t quantizes token t and picks its routes; the last to finish lays them out:
-    sorted by (expert, route), route r of expert e is row S + its position (SHARED: the
-    shared expert holds rows 0..M-1 and the first groups, S = M; else S = 0), so each
-    expert's rows are contiguous and in token order."""
+    """Program t quantizes token t and picks its routes; the last to finish lays them out
+    (`_lay_out`)."""
     t = tl.program_id(0)
     if PDL:
         gdc_wait()
@@ -107,40 +153,110 @@ def route_kernel(
     tl.debug_barrier()
     arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel")
     if arrived == M - 1:
-        routes = M * TOP_K
-        r = tl.arange(0, BR)
-        every = tl.load(ids_ptr + r, mask=r < routes, other=-1, cache_modifier=".cg")
-        ok = (r < routes) & (every >= 0) & (every < E)
-        e = tl.where(ok, every, BE - 1)  # BE > E: bin BE - 1 collects what is not a route
-        experts = tl.arange(0, BE)
-        count = tl.where(experts < E, tl.histogram(e, BE), 0)
-        order = tl.sort((e << 16) | r)  # by expert, then route (= token) order
-        route, pos = order & 0xFFFF, tl.arange(0, BR)
-        routed = (order >> 16) < E
-        s0 = M if SHARED else 0  # the routes' first row
-        tl.store(route_row_ptr + route, tl.where(routed, s0 + pos, -1), mask=route < routes)
-        tl.store(row_token_ptr + s0 + pos, route // TOP_K, mask=routed)
-        if SHARED:
-            tl.store(row_token_ptr + r, r, mask=r < M)
-        # Groups: the shared expert's chunks, then each touched expert's, then unused ones.
-        chunks = (count + CHUNK - 1) // CHUNK
-        row_base = s0 + tl.cumsum(count, axis=0) - count
-        g0 = tl.cdiv(M, CHUNK) if SHARED else 0  # the routed experts' first group
-        group_base = g0 + tl.cumsum(chunks, axis=0) - chunks
-        for i in tl.static_range(MAX_CHUNKS):
-            if SHARED and i * CHUNK < M:
-                tl.store(group_expert_ptr + i, E)
-                tl.store(group_row_ptr + i, i * CHUNK)
-                tl.store(group_count_ptr + i, tl.minimum(M - i * CHUNK, CHUNK))
-            mine = i < chunks
-            g = group_base + i
-            tl.store(group_expert_ptr + g, experts, mask=mine)
-            tl.store(group_row_ptr + g, row_base + i * CHUNK, mask=mine)
-            tl.store(group_count_ptr + g, tl.minimum(count - i * CHUNK, CHUNK), mask=mine)
-        used = g0 + tl.sum(chunks, axis=0)
-        for unused in range(0, G, BE):
-            g = unused + experts
-            tl.store(group_expert_ptr + g, -1, mask=(g >= used) & (g < G))
+        _lay_out(ids_ptr, route_row_ptr, group_expert_ptr, group_row_ptr, group_count_ptr,
+                 row_token_ptr, M, E, G, CHUNK, MAX_CHUNKS, TOP_K, BR, BE, SHARED)  # fmt: skip
+        tl.atomic_xchg(count_ptr, 0)
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def _pick_routes(part_ptr, logits_ptr, bias_ptr, ids_ptr, weights_ptr, M, E, scaling,
+                 SPLIT_K: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr,
+                 BE: tl.constexpr, BT: tl.constexpr, INTERPRETER: tl.constexpr):  # fmt: skip
+    """Every token's logits (the split-K partials summed in split order, stored) and routes,
+    BT tokens at a time: route_kernel's pick, one max per route over a [BT, BE] tile."""
+    cols = tl.arange(0, BE)
+    kcols = tl.arange(0, KP)
+    valid = cols < E
+    bias = tl.load(bias_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+    for t0 in range(0, M, BT):
+        tok = t0 + tl.arange(0, BT)
+        live = (tok < M)[:, None]
+        at = tok[:, None] * E + cols[None, :]
+        logit = tl.zeros([BT, BE], dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            # .cg: L1 is not coherent across SMs; the other programs' partials live in L2.
+            logit += tl.load(part_ptr + s * M * E + at, mask=live & valid[None, :], other=0.0,
+                             cache_modifier=".cg")  # fmt: skip
+        tl.store(logits_ptr + at, logit, mask=live & valid[None, :])
+        score = torch_sigmoid(logit, INTERPRETER)
+        choice = tl.where(valid[None, :], score + bias[None, :], -float("inf"))
+        key = (_ordered(choice).to(tl.int64) << 32) | (BE - 1 - cols)[None, :].to(tl.int64)
+        ids = tl.zeros([BT, KP], dtype=tl.int32)
+        s = tl.zeros([BT, KP], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(key, axis=1)
+            idx = (BE - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
+            hit = cols[None, :] == idx[:, None]
+            ids = tl.where(kcols[None, :] == j, idx[:, None], ids)
+            # The picked score alone in its row: a sum of it and zeros, exactly it.
+            picked_score = tl.sum(tl.where(hit, score, 0.0), axis=1)
+            s = tl.where(kcols[None, :] == j, picked_score[:, None], s)
+            key = tl.where(hit, -(2**62), key)
+        weights = s / (tl.sum(s, axis=1)[:, None] + 1e-20) * scaling
+        picked = live & (kcols[None, :] < TOP_K)
+        out = tok[:, None] * TOP_K + kcols[None, :]
+        tl.store(ids_ptr + out, ids, mask=picked)
+        tl.store(weights_ptr + out, weights, mask=picked)
+
+
+@triton.jit(do_not_specialize=["M", "G", "CHUNK"])
+def router_route_kernel(
+    gate_ptr,  # [E, D] BF16 router weight, k-major
+    part_ptr,  # [SPLIT_K, M, E] FP32 scratch: each split's partial logits
+    logits_ptr,  # [M, E] FP32 out: the router logits
+    bias_ptr, ids_ptr, weights_ptr, route_row_ptr,  # as route_kernel's (ids, weights: out)
+    group_expert_ptr, group_row_ptr, group_count_ptr, row_token_ptr,
+    x_ptr, xq_ptr, xs_ptr, count_ptr,
+    M, E, D, stride_xm, scaling, G, CHUNK,
+    K_TILES,  # BK tiles per split
+    MAX_CHUNKS: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr, BR: tl.constexpr,
+    BE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    SPLIT_K: tl.constexpr, BT: tl.constexpr, UE8M0: tl.constexpr, QUANT_GROUPS: tl.constexpr,
+    INTERPRETER: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    SHARED: tl.constexpr = True,
+):  # fmt: skip
+    """The router GEMM and route_kernel in one launch. Program p < tiles x SPLIT_K computes
+    the partial logits of BN experts over one split of K (the Router's swap-AB tile: accᵀ
+    [BN, BM] = gate tile @ x tileᵀ) and stores them; program t < M quantizes token t; the
+    last program to arrive sums every token's partials, picks its routes (`_pick_routes`)
+    and lays them out (`_lay_out`). One arrival counter for the whole launch, where the
+    separate router's split-K fixup and route_kernel each had one."""
+    pid = tl.program_id(0)
+    tiles = tl.cdiv(E, BN)
+    split = pid // tiles
+    offs_n = (pid % tiles) * BN + tl.arange(0, BN)
+    w_rows = gate_ptr + tl.minimum(offs_n, E - 1) * D
+    k_lo = split * K_TILES * BK
+    await_inputs(w_rows, k_lo, D, 64, PDL, PREFETCH)
+    if split < SPLIT_K:
+        offs_m = tl.arange(0, BM)
+        offs_k = tl.arange(0, BK)
+        w_ptrs = w_rows[:, None] + offs_k[None, :]
+        x_ptrs = x_ptr + tl.minimum(offs_m, M - 1)[:, None] * stride_xm + offs_k[None, :]
+        x_rows = offs_m[:, None] < M
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+        for k in range(k_lo, tl.minimum(k_lo + K_TILES * BK, D), BK):  # D % BK == 0
+            w = tl.load(w_ptrs + k)
+            x = tl.load(x_ptrs + k, mask=x_rows, other=0.0)
+            if INTERPRETER:
+                w, x = w.to(tl.float32), x.to(tl.float32)
+            acc = tl.dot(w, tl.trans(x), acc)
+        at = part_ptr + split * M * E + offs_m[None, :] * E + offs_n[:, None]
+        tl.store(at, acc, mask=(offs_n[:, None] < E) & (offs_m[None, :] < M))
+    if pid < M:
+        _quantize_token(x_ptr, xq_ptr, xs_ptr, pid, D, stride_xm, UE8M0, QUANT_GROUPS,
+                        INTERPRETER)  # fmt: skip
+    # Every thread's partials are stored before the one thread issuing the release.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+    if arrived == tl.num_programs(0) - 1:
+        _pick_routes(part_ptr, logits_ptr, bias_ptr, ids_ptr, weights_ptr, M, E, scaling,
+                     SPLIT_K, TOP_K, KP, BE, BT, INTERPRETER)  # fmt: skip
+        tl.debug_barrier()  # the ids this program's threads stored, read by all of them
+        _lay_out(ids_ptr, route_row_ptr, group_expert_ptr, group_row_ptr, group_count_ptr,
+                 row_token_ptr, M, E, G, CHUNK, MAX_CHUNKS, TOP_K, BR, BE, SHARED)  # fmt: skip
         tl.atomic_xchg(count_ptr, 0)
     if PDL:
         gdc_launch_dependents()

@@ -285,8 +285,8 @@ class ReferenceModel:
     def gather(self, slices: Sequence[Tensor]) -> Tensor:
         """The logits all-gather of the held shards' vocab slices (with a group, every
         process's, in rank order)."""
-        if self.group is None:
-            return torch.cat(list(slices), dim=-1)
+        if self.group is None:  # one slice: itself (a copy would be one more launch)
+            return slices[0] if len(slices) == 1 else torch.cat(list(slices), dim=-1)
         (shard,) = slices
         return logits_gather_ref(shard, self.group)
 
