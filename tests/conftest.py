@@ -20,6 +20,7 @@ QUICK = (
     ("glm5_kernels/test_gemm_gpu.py", "test_a_pdl_chain_reads_what_its_predecessor_wrote", "1"),
     ("glm5_kernels/test_gemm_gpu.py", "test_kda_gate_projections_in_one_launch", "4"),
     ("glm5_kernels/test_gemm_gpu.py", "test_q_b_and_wq_b_in_one_launch", "4"),
+    ("glm5_kernels/test_dsa_attn_gpu.py", "test_absorb_at_the_real_shapes", "16"),
     ("glm5_kernels/test_moe_gpu.py", "test_real_shapes", "tp4"),
     ("glm5_kernels/test_moe_gpu.py", "test_graph_capture_and_unprepared_tokens", "tp4"),
     ("glm5_kernels/test_moe_gpu.py", "test_router_inside_the_routing_launch", "tp4"),

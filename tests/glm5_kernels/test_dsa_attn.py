@@ -92,6 +92,31 @@ def test_bad_input_names_every_problem():
         SparseMlaDecode(torch.zeros(2, 8, 48).bfloat16(), scale=1.0)
 
 
+@pytest.mark.parametrize("heads, rows", [(16, 1), (4, 7)])
+def test_absorb_of_adjacent_heads_is_one_skinny_gemm(heads, rows):
+    """Each row's heads adjacent (q_b's output, rows strided as a column slice of a wider
+    projection): the absorption is one block-diagonal skinny GEMM, within one BF16 rounding
+    of the FP64 product as the batched GEMM is (and NaN nowhere); a view of other heads'
+    layout takes the batched GEMM."""
+    gen = torch.Generator().manual_seed(heads + rows)
+    nope = 64
+    w = torch.randn(heads, nope + VD, L, generator=gen).bfloat16() / 8
+    wide = torch.randn(rows, heads * nope + 64, generator=gen).bfloat16()
+    q = wide[:, : heads * nope].view(rows, heads, nope)  # row stride heads * nope + 64
+    op = SparseMlaDecode(w[:, nope:], 0.1, max_rows=8, w_uk=w[:, :nope])
+    assert op._absorb is not None
+    op.prepare([rows])
+    got = op.absorb(q)
+    want = torch.einsum("nhp,hpl->nhl", q.double(), w[:, :nope].double())
+    assert got.shape == (rows, heads, L) and not got.isnan().any()
+    scale = want.abs().amax(-1, keepdim=True)
+    assert ((got.double() - want).abs() <= 2**-8 * want.abs() + 2**-20 * scale).all()
+    gaps = torch.randn(rows, heads, nope + 8, generator=gen).bfloat16()[..., :nope]
+    want = torch.einsum("nhp,hpl->nhl", gaps.double(), w[:, :nope].double())
+    got = op.absorb(gaps)  # heads not adjacent: the batched GEMM
+    assert ((got.double() - want).abs() <= 2**-8 * want.abs() + 2**-20 * scale.max()).all()
+
+
 @pytest.mark.parametrize("heads, rows", [(16, 1), (5, 7)])
 def test_absorb_is_one_rounding_of_the_fp32_product(heads, rows):
     """The query absorption q . W_uk (the nope parts, a strided view as the fused projection

@@ -89,7 +89,9 @@ def test_planned_steps_equal_stock(q, monkeypatch):
     states, logits; the caches where every request agreed) are compared per row only where
     the two models made the same choices for it, against the same per-row errors of the stock
     BF16 model vs FP32 (decode_cases.Yardstick); MIN_COMPARED of the rows at least."""
-    g = _small()
+    # q = 2 at a latent of whole 64-column tiles (as the model's 512): the query absorption
+    # as the skinny GEMM; q = 3 at tiny's 32: the batched GEMM.
+    g = _small(kv_lora_rank=64) if q == 2 else _small()
     dtypes = (torch.bfloat16, torch.bfloat16, torch.float32)
     stock, spec, fp32 = models = [_model(g, dtype, q=q, requests=q) for dtype in dtypes]
     decode = _decoder(spec, q=q, sizes=[1, q, q * q])
@@ -102,6 +104,8 @@ def test_planned_steps_equal_stock(q, monkeypatch):
         "Projection", "DenseMlp", "MoeLayer", "MhcBoundary", "KdaDecode", "SparseMlaDecode",
         "IndexerTopk", "KpoolWrite", "LatentWrite", "Embedding",
     }  # fmt: skip
+    attends = [op for op, _ in decode.ops if type(op).__name__ == "SparseMlaDecode"]
+    assert attends and all((op._absorb is not None) == (q == 2) for op in attends)
     assert decode.mhc is not None and decode.mhc_tokens == {q, q * q}
     assert decode.batches == [q, q * q]
     monkeypatch.setattr("glm5_kernels.launch.capturing", lambda: True)  # first_call's rule

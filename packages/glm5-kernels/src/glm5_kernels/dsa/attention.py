@@ -32,6 +32,21 @@ def rowwise(rows: int, heads: int) -> bool:
     return rows <= (ROWWISE_ROWS if heads <= 16 else 1)
 
 
+def _absorption(w_uk: Tensor, max_rows: int):
+    """q . W_uk as one skinny GEMM, block-diagonal over the heads (`Projection(blocks=H)`:
+    head h's L output columns from its P query columns; W_uk transposed once, [H L, P]),
+    launched like the projections around it (PDL, the weights prefetched before the wait);
+    None where it cannot build (no GPU or interpreter, a column tile across two heads)."""
+    from glm5_kernels.gemm import Projection
+
+    h, p, lat = w_uk.shape
+    try:
+        return Projection(w_uk.transpose(1, 2).reshape(h * lat, p), max_tokens=max_rows,
+                          blocks=h)  # fmt: skip
+    except (ValueError, ImportError):
+        return None
+
+
 class SparseMlaDecode:
     """A layer's value-up W_uv [H, Vd, L] BF16 (kv_b_proj's value rows per head) and the
     softmax scale; steps of up to `max_rows` query rows (requests x tokens). `w_uk` [H, P, L]
@@ -54,8 +69,10 @@ class SparseMlaDecode:
         if problems:
             raise ValueError("SparseMlaDecode: " + "; ".join(problems))
         self.w_uv, self.scale, self.max_rows = w_uv, float(scale), max_rows
-        # One layout, whatever the backbone keeps: the absorption's rounding is the same.
-        self.w_uk = None if w_uk is None else w_uk.contiguous()
+        self._absorb = None if w_uk is None else _absorption(w_uk, max_rows)
+        # The batched GEMM's operand where the skinny one does not serve (one layout,
+        # whatever the backbone keeps: the absorption's rounding is the same).
+        self.w_uk = w_uk if w_uk is None or self._absorb is not None else w_uk.contiguous()
         self.heads, self.vd, self.lat = w_uv.shape
         dev = w_uv.device
         self._device, self._pdl, self._interp = dev, use_pdl(dev), interpreting()
@@ -76,11 +93,15 @@ class SparseMlaDecode:
 
     def absorb(self, q: Tensor) -> Tensor:
         """The absorbed query q . W_uk: q [N, H, P] BF16 (the nope parts, any row stride) ->
-        [N, H, L] BF16, one batched GEMM (FP32 accumulation, one rounding) written token-major,
-        as vLLM's MLA decode absorbs it."""
+        [N, H, L] BF16 (FP32 accumulation, one rounding) written token-major, as vLLM's MLA
+        decode absorbs it: where each row's heads are adjacent (q_b's output), one
+        block-diagonal skinny GEMM (`_absorption`), else a batched GEMM."""
         if self.w_uk is None:
             raise ValueError("SparseMlaDecode: built without w_uk, nothing to absorb with")
-        n = q.shape[0]
+        n, h, p = q.shape
+        if (self._absorb is not None and q.stride(2) == 1 and q.stride(1) == p
+                and q.data_ptr() % 16 == 0 and self._absorb.supports(n)):  # fmt: skip
+            return self._absorb(q.as_strided((n, h * p), (q.stride(0), 1))).view(n, h, self.lat)
         out = torch.empty(n, self.heads, self.lat, dtype=torch.bfloat16, device=q.device)
         torch.bmm(q.transpose(0, 1), self.w_uk, out=out.transpose(0, 1))
         return out
@@ -96,6 +117,8 @@ class SparseMlaDecode:
         workspace for `max_rows` rows (the split count bounds rows x splits by the SMs),
         before any CUDA-graph capture."""
         dev, h, lat = self._device, self.heads, self.lat
+        if self._absorb is not None:
+            self._absorb.prepare(range(1, self.max_rows + 1) if tokens is None else tokens)
         self._room(max(r * self.splits(r, 1 << 16) for r in range(1, self.max_rows + 1)))
         cache = torch.zeros(1, 16, lat, dtype=torch.bfloat16, device=dev)
         for n in sorted({1, min(self.max_rows, ROWWISE_ROWS + 1)}):  # both merges
