@@ -563,5 +563,6 @@ def test_deployment_backend_and_policy_problems_come_in_one_error(vllm_config):
         "additional_config['decode_backend']='fastest': expects one of "
         "('auto', 'latency_specialized')",
         "policy['moe'][4]: token key 4 is not a string (keys are JSON text: write '4')",
-        "policy['moe'][4]: unknown choice 'mega' (expects one of grouped, per_route or null)",
+        "policy['moe'][4]: unknown choice 'mega' (expects one of fused_router, grouped, "
+        "per_route or null)",
     ]
