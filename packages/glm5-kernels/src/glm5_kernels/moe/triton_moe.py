@@ -175,10 +175,10 @@ def _pick_routes(part_ptr, logits_ptr, bias_ptr, ids_ptr, weights_ptr, M, E, sca
         live = (tok < M)[:, None]
         at = tok[:, None] * E + cols[None, :]
         logit = tl.zeros([BT, BE], dtype=tl.float32)
-        for s in tl.static_range(SPLIT_K):
+        for split in tl.static_range(SPLIT_K):
             # .cg: L1 is not coherent across SMs; the other programs' partials live in L2.
-            logit += tl.load(part_ptr + s * M * E + at, mask=live & valid[None, :], other=0.0,
-                             cache_modifier=".cg")  # fmt: skip
+            logit += tl.load(part_ptr + split * M * E + at, mask=live & valid[None, :],
+                             other=0.0, cache_modifier=".cg")  # fmt: skip
         tl.store(logits_ptr + at, logit, mask=live & valid[None, :])
         score = torch_sigmoid(logit, INTERPRETER)
         choice = tl.where(valid[None, :], score + bias[None, :], -float("inf"))
