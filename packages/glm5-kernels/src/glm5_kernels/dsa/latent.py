@@ -17,9 +17,17 @@ def latent_write_ref(q_a: Tensor, kv_a: Tensor, q_norm: Tensor, kv_norm: Tensor,
                      latent: Tensor, slots: Tensor) -> Tensor:  # fmt: skip
     """q_a [N, Q], kv_a [N, L] BF16, the norms' weights [Q], [L], latent [S, L] (written at
     `slots` [N]; -1: a padding row, not written) -> the normed q_a [N, Q]: `rms_norm_ref` of
-    each, as the model runs them."""
+    each, as the model runs them. No host sync (the planned-step tests capture it): a
+    padding row writes what another row writes there (the first kept row's slot and value,
+    or slot 0's own value where no row is kept), so the one scatter changes only the kept
+    rows' slots."""
+    rows = rms_norm_ref(kv_a, kv_norm, eps).to(latent.dtype)
     keep = slots >= 0
-    latent[slots[keep]] = rms_norm_ref(kv_a[keep], kv_norm, eps).to(latent.dtype)
+    first = keep.int().argmax().view(1)  # the first kept row (0 where there is none)
+    anyone = keep.any()
+    slot = torch.where(keep, slots, torch.where(anyone, slots.index_select(0, first), 0))
+    stand_in = torch.where(anyone, rows.index_select(0, first)[0], latent[0])
+    latent.index_copy_(0, slot.long(), torch.where(keep[:, None], rows, stand_in[None, :]))
     return rms_norm_ref(q_a, q_norm, eps)
 
 
