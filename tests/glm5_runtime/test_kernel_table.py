@@ -24,7 +24,7 @@ from glm5_runtime.kernel_table import (
 )
 from glm5_runtime.reference import ReferenceModel, geometry
 from glm5_runtime.reference.backbone import ReferenceBackbone
-from glm5_runtime.results import table
+from glm5_runtime.results import STAGES, table
 
 
 def _span(name, ts, dur, cat="user_annotation"):
@@ -172,6 +172,20 @@ def test_table_prints_the_kernel_tables(tmp_path):
     assert "1 token (q = 1), specialized**: 91 launches (kernels and copies), 0.56 ms" in text
     assert "| boundary | 91 | 560.0 | 150.00 | 35.0 | 16.0 |" in text
     assert "| boundary | `hc_boundary_kernel` | 91 | 560.0 | 6.15 |" in text
+
+
+def test_table_leaves_out_a_split_no_stage_method_ran_in(tmp_path):
+    """A planned step of sublayer stage objects calls none of the reference's stage methods
+    the split's marks wrap: all of it would read as the boundaries'. Its row is left out."""
+    with open("benchmarks/results/decode_h100_tp8_all.json") as f:
+        result = json.load(f)
+    row = result["rows"][0]
+    assert not set(row["stages_ms"]["specialized"]) & set(STAGES)
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    cells = [line.split(" | ") for line in table([str(path)]).splitlines()]
+    sides = [c[3] for c in cells if len(c) > 3 and c[3] in ("vllm", "specialized")]
+    assert sides == ["vllm"]
 
 
 def test_owner_rows_sum_each_owners_kernels_and_keep_byte_only_owners():
