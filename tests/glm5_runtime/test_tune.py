@@ -111,8 +111,8 @@ def test_tune_finds_each_size_s_fastest_choice(seed):
             for other, on in tune.TOGETHER.get(stage, {}).items():  # on and off as one
                 assert result["table"][other][m] == (on if got else None), (other, m)
     assert result["table"]["logits_gather"] == start["logits_gather"]  # not tuned
-    # Two starting runs, every candidate once, the confirmation.
-    assert step.calls == 2 + sum(len(candidates(s)) for s in tune.ORDER) + 1
+    # Two starting runs, every candidate once, the confirmation's four.
+    assert step.calls == 2 + sum(len(candidates(s)) for s in tune.ORDER) + 4
     for m, c in result["confirm"].items():
         assert c["tuned_ms"] <= c["start_ms"] * (1 + tune.TIE * len(tune.ORDER)), m
     assert all(b == tune.TIE for b in result["tie_band"].values())  # a noiseless step
@@ -147,6 +147,29 @@ def test_noise_widens_the_tie_band():
     assert list(result["stages"]) == ["moe"]
 
 
+def test_the_confirmation_times_both_tables_side_by_side():
+    """On a machine that slows down as it runs (1 % a step timed here; 10 % in minutes was
+    seen on an H100), the starting table's first times are no yardstick for the chosen
+    table's last: both are timed alternately at the end, and the move is the drift."""
+    step, seen = Step(3), []
+
+    def drifting(table):
+        ms, built, said = step(table)
+        seen.append({s: dict(v) for s, v in table.items()})
+        return {m: t * (1 + 0.01 * len(seen)) for m, t in ms.items()}, built, said
+
+    start = {s: dict.fromkeys(SIZES) for s in STAGES}
+    result = tune.tune(drifting, start, SIZES, ["moe", "kda"])
+    n, chosen = len(seen), result["table"]
+    assert seen[-4:] == [chosen, start, chosen, start]
+    truth = {name: step(t)[0] for name, t in (("start", start), ("tuned", chosen))}
+    for m, c in result["confirm"].items():
+        assert c["start_ms"] == pytest.approx(truth["start"][m] * (1 + 0.01 * (n - 2)))
+        assert c["tuned_ms"] == pytest.approx(truth["tuned"][m] * (1 + 0.01 * (n - 3)))
+        assert result["start_ms"][m] == pytest.approx(truth["start"][m] * 1.01)
+        assert c["drift"] == pytest.approx((1 + 0.01 * (n - 2)) / 1.01 - 1)
+
+
 def test_markdown_and_show():
     table = {s: dict.fromkeys(SIZES) for s in STAGES}
     table["moe"] = dict.fromkeys(SIZES, "grouped")
@@ -154,8 +177,10 @@ def test_markdown_and_show():
     assert text.splitlines()[0] == "| stage | 1 | 2 | 4 | 8 | 16 | 32 | 64 |"
     assert "| moe | grouped | grouped |" in text and "| kda | stock |" in text
     shown = tune.show({"table": text, "policy": policy_json(table, SIZES),
-                       "confirm": {1: {"start_ms": 2.0, "tuned_ms": 1.5}}})  # fmt: skip
-    assert "| 1 | 2.000 | 1.500 |" in shown
+                       "confirm": {1: {"start_ms": 2.0, "tuned_ms": 1.5, "drift": 0.052},
+                                   2: {"start_ms": 2.0, "tuned_ms": 1.5}}})  # fmt: skip
+    assert "| 1 | 2.000 | 1.500 | +5.2 |" in shown
+    assert "| 2 | 2.000 | 1.500 | – |" in shown  # a file from before the drift was kept
     assert shown.splitlines()[-1].startswith('policy: {"moe":{"1-64":"grouped"}')
 
 
@@ -170,9 +195,10 @@ def test_a_run_cut_short_goes_on_from_its_last_checkpoint_to_the_same_table():
 
     def cut_after_three(result):
         # What run() writes: the table as policy JSON, JSON's string keys.
-        table = result["table"]
-        saved.append(json.loads(json.dumps({**result, "table": None,
-                                            "policy": policy_json(table, SIZES)})))  # fmt: skip
+        table, origin = result["table"], result["origin"]
+        written = {**result, "table": None, "origin": None, "policy": policy_json(table, SIZES),
+                   "start_policy": policy_json(origin, SIZES)}  # fmt: skip
+        saved.append(json.loads(json.dumps(written)))
         if len(saved) == 3:
             raise Cut
 

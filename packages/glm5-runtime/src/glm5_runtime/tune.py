@@ -10,9 +10,12 @@ one kernel's loads with the last one's tail), and the step's time is what the ta
 Each size's step reads only that size's entries, so one build of a candidate times every
 size. Stages that serve one sublayer together are timed as one (`TOGETHER`: the MLA
 stages). Noise: the starting table timed twice; a size's tie band is the larger of `TIE`
-and twice that run-to-run difference. The chosen table is then timed beside the starting one
-(the confirmation) and written with the measurements, command, GPU, commit and date; its
-`policy` is what `bench --policy` and the plugin's `"policy"` take.
+and twice that run-to-run difference. The chosen table is then timed beside the starting one,
+the two alternately, twice each (the confirmation: a step timed minutes apart moved by 10 %
+on an H100, more than the replay-to-replay noise, so the starting table's first times are no
+yardstick for the chosen one's last; the move is recorded as each size's `drift`), and
+written with the measurements, command, GPU, commit and date; its `policy` is what `bench
+--policy` and the plugin's `"policy"` take.
 
 Where a stage is stock the reference backbone's op runs; with `--vllm-ops DIR`, vLLM 0.33's
 own kernels run the routed experts, the KDA core and the mHC pre there (`VllmStock`), as in
@@ -153,9 +156,11 @@ def tune(
     (`time_table(table)` -> (ms per size, stages built, warnings)), the pick per size.
     Returns the chosen table, each stage's measurements, the noise, the starting table's
     times and the confirmation. `prior`: an unfinished run's result (`start` its table) to
-    go on from: its noise and starting times are kept, its measured stages not re-timed.
+    go on from: its noise, starting table (`origin`, else `start`) and times are kept, its
+    measured stages not re-timed.
     `checkpoint(result so far)` after each stage, `remaining` the stages still to time."""
     table = {s: dict(v) for s, v in start.items()}
+    origin = (prior or {}).get("origin") or {s: dict(v) for s, v in start.items()}
     if prior is None:
         first, _, _ = time_table(table)
         again, _, _ = time_table(table)
@@ -194,16 +199,20 @@ def tune(
                                      for m in sizes}))  # fmt: skip
         measured[stage] = {"candidates": runs, "picked": table[stage]}
         if checkpoint:
-            checkpoint({"table": table, "stages": measured, "noise": noise, "tie_band": band,
-                        "start_ms": start_ms, "remaining": todo[i + 1 :]})  # fmt: skip
+            checkpoint({"table": table, "origin": origin, "stages": measured, "noise": noise,
+                        "tie_band": band, "start_ms": start_ms,
+                        "remaining": todo[i + 1 :]})  # fmt: skip
     if progress:
         progress(total - 1, total, "confirming")
-    tuned, _, _ = time_table(table)
+    runs = [time_table(t)[0] for t in (table, origin, table, origin)]  # side by side
     if progress:
         progress(total, total, "done")
-    confirm = {m: {"start_ms": start_ms[m], "tuned_ms": tuned[m]} for m in sizes}
-    return {"table": table, "stages": measured, "noise": noise, "tie_band": band,
-            "start_ms": start_ms, "confirm": confirm}  # fmt: skip
+    confirm = {m: {"start_ms": min(runs[1][m], runs[3][m]),
+                   "tuned_ms": min(runs[0][m], runs[2][m]),
+                   "drift": min(runs[1][m], runs[3][m]) / start_ms[m] - 1}
+               for m in sizes}  # fmt: skip
+    return {"table": table, "origin": origin, "stages": measured, "noise": noise,
+            "tie_band": band, "start_ms": start_ms, "confirm": confirm}  # fmt: skip
 
 
 def _chosen(stage: str, by_size: dict[int, str | None]) -> Table:
@@ -227,8 +236,11 @@ def resumed(saved: dict, sizes: Sequence[int]) -> tuple[Table, dict]:
                                  for c, r in v["candidates"].items()},
                   "picked": by_size(v["picked"])}
               for s, v in saved["stages"].items()}  # fmt: skip
+    # The starting table (files from before it was kept: the table it stopped at).
+    origin = saved.get("start_policy")
+    origin = from_policy(Policy.from_json(origin), sizes) if origin is not None else table
     return table, {"start_ms": by_size(saved["start_ms"]), "noise": by_size(saved["noise"]),
-                   "stages": stages}  # fmt: skip
+                   "stages": stages, "origin": origin}  # fmt: skip
 
 
 def run(args) -> dict:
@@ -283,9 +295,10 @@ def run(args) -> dict:
             **({"earlier_runs": earlier} if earlier else {})}  # fmt: skip
 
     def results(result: dict) -> dict:
-        table = result.pop("table")
+        result = dict(result)
+        table, origin = result.pop("table"), result.pop("origin")
         return {**head, "policy": policy_json(table, sizes), "table": markdown(table, sizes),
-                **result}  # fmt: skip
+                "start_policy": policy_json(origin, sizes), **result}  # fmt: skip
 
     def checkpoint(result: dict) -> None:
         """The unfinished file (`--resume` goes on from it), replaced whole after each stage
@@ -351,8 +364,10 @@ def show(result: dict) -> str:
     one: the starting table's times), the policy JSON line."""
     lines = [result["table"], ""]
     if "confirm" in result:
-        lines += ["| tokens | start ms | tuned ms |", "| ---: | ---: | ---: |"]
-        lines += [f"| {m} | {c['start_ms']:.3f} | {c['tuned_ms']:.3f} |"
+        drift = lambda c: f"{100 * c['drift']:+.1f}" if "drift" in c else "–"  # noqa: E731
+        lines += ["| tokens | start ms | tuned ms | start's drift % |",
+                  "| ---: | ---: | ---: | ---: |"]  # fmt: skip
+        lines += [f"| {m} | {c['start_ms']:.3f} | {c['tuned_ms']:.3f} | {drift(c)} |"
                   for m, c in result["confirm"].items()]  # fmt: skip
     else:
         lines += ["| tokens | start ms |", "| ---: | ---: |"]
