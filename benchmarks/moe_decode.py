@@ -42,14 +42,21 @@ from dataclasses import replace
 import torch
 from provenance import floor_bandwidth, provenance, result_args, write_result
 
-from glm5_kernels.gemm import Router, fp8_mlp_ref, quantize_tokens_fp8_ref, swiglu_ref
+from glm5_kernels.gemm import Router, quantize_tokens_fp8_ref, swiglu_ref
 from glm5_kernels.gemm.library import (
     block_fp8_supported,
     fp8_mlp_library,
     router_library,
     supports,
 )
-from glm5_kernels.moe import GroupedExperts, MegaExperts, SharedExpert, route_ref
+from glm5_kernels.moe import (
+    GroupedExperts,
+    MegaExperts,
+    SharedExpert,
+    moe_output_ref,
+    moe_rows_ref,
+    route_ref,
+)
 from glm5_kernels.quant import dequantize_fp8_block_ref, quantize_fp8_block_ref
 from glm5_kernels.timing import graph_calls_us
 from glm5_runtime.bench import call_launches
@@ -161,20 +168,12 @@ def reference_layer(x, router_w, bias, logits, experts, shared):
 
 def fp8_layer_ref(x, bias, logits, experts, shared):
     """The check's yardstick where the library stock cannot run: vLLM's block-FP8 sequence
-    (`fp8_mlp_ref`: each expert's input and SwiGLU quantized per token in 1x128 groups) route
-    by route, combined as the library combines. Not `reference_layer`, whose BF16 activations
-    (transformers' numerics) sit ~4.6 % from any FP8-activation kernel, vLLM's own included:
-    a yardstick that coarse would hide a wrong route."""
-    w13, s13, w2, s2 = experts
+    per route (`moe_rows_ref`, combined by `moe_output_ref`). Not `reference_layer`, whose
+    BF16 activations (transformers' numerics) sit ~4.6 % from any FP8-activation kernel,
+    vLLM's own included: a yardstick that coarse would hide a wrong route."""
     weights, ids = route_ref(logits, bias, K, SCALING)
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            y = fp8_mlp_ref(x[t : t + 1], w13[e], s13[e], w2[e], s2[e], LIMIT,
-                            out_dtype=torch.float32)  # fmt: skip
-            out[t] += weights[t, j] * y[0]
-    return (out.bfloat16() + fp8_mlp_ref(x, *shared, LIMIT)).bfloat16()
+    w13, s13, w2, s2 = experts
+    return moe_output_ref(moe_rows_ref(x, ids, w13, s13, w2, s2, shared, LIMIT), weights)
 
 
 def sweep(path_ops, router_ops, xs, logits, m: int, floors: dict[str, float]) -> dict:

@@ -130,8 +130,7 @@ def test_router_inside_the_routing_launch(stage):
         # The experts on that routing: the four-launch path's exactly. (Not on the logits:
         # where two experts' values are within an ulp, the two kernels' sigmoids may order
         # them differently, as assert_routing allows.)
-        assert torch.equal(out, op.routed(x, rows.ids.clone(), rows.weights.clone(),
-                                          finalize=True)), m  # fmt: skip
+        assert torch.equal(out, op.routed(x, rows.ids, rows.weights, finalize=True)), m
     layer = MoeLayer(router, {8: op}, gated=[8])
     layer.prepare([8])
     xs = [torch.randn(8, D, generator=gen, device="cuda").bfloat16() for _ in range(2)]

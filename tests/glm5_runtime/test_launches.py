@@ -11,17 +11,15 @@ captured step's. The Triton boundary runs in two launches under the interpreter 
 spin-wait between its CTAs there) and in one on a GPU: counted once, as the GPU runs it."""
 
 import os
-import sys
 from collections import Counter
 from contextlib import contextmanager
 
 import pytest
 import torch
-from decode_cases import ALL_STAGES
+from decode_cases import ALL_STAGES, capturing_everywhere
 from test_decode import _model, _small
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import glm5_kernels.launch
 import glm5_runtime.kernel_table
 from glm5_policy import DecodeConfig
 from glm5_runtime.bench import _fill_caches, _forward, _step, _token_ids
@@ -84,10 +82,7 @@ def _census(monkeypatch):
 
     monkeypatch.setattr(glm5_runtime.kernel_table, "record_function", labelled)
     monkeypatch.setattr(interp.GridExecutor, "__call__", launch)
-    capturing = glm5_kernels.launch.capturing
-    for module in [m for n, m in sys.modules.items() if n.startswith("glm5_")]:
-        if getattr(module, "capturing", None) is capturing:
-            monkeypatch.setattr(module, "capturing", lambda: True)
+    capturing_everywhere(monkeypatch)
     with census:
         yield census.launches
 

@@ -295,7 +295,6 @@ def run(args) -> dict:
             **({"earlier_runs": earlier} if earlier else {})}  # fmt: skip
 
     def results(result: dict) -> dict:
-        result = dict(result)
         table, origin = result.pop("table"), result.pop("origin")
         return {**head, "policy": policy_json(table, sizes), "table": markdown(table, sizes),
                 "start_policy": policy_json(origin, sizes), **result}  # fmt: skip
