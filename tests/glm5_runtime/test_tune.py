@@ -236,8 +236,9 @@ def test_resume_refuses_a_file_of_another_step():
     )
 
 
-def _result(table, measured):
-    return {"policy": policy_json(table, SIZES), "stages": {s: {} for s in measured}}
+def _result(table, measured, q=1, date="2026-12-03"):
+    return {"policy": policy_json(table, SIZES), "stages": {s: {} for s in measured},
+            "geometry": "flash-tp4-rank", "q": q, "sizes": SIZES, "date": date}  # fmt: skip
 
 
 def test_merge_keeps_what_every_result_picked_else_the_simplest_pick():
@@ -252,7 +253,7 @@ def test_merge_keeps_what_every_result_picked_else_the_simplest_pick():
     q4 = {**q1, "moe": {**q1["moe"], 8: "per_route"}, "kda": {**q1["kda"], 2: None},
           "boundary": dict.fromkeys(SIZES, "triton")}  # fmt: skip
     measured = ["moe", "kda", "boundary"]  # logits_gather kept as the runs had it
-    out = Policy.from_json(tune.merged([_result(q1, measured), _result(q4, measured)]))
+    out = Policy.from_json(tune.merged([_result(q1, measured), _result(q4, measured, q=4)]))
     assert [out("moe", m) for m in (4, 5, 8, 9)] == ["grouped", "per_route", "per_route", "grouped"]
     assert [out("kda", m) for m in (1, 2, 3)] == ["fused", None, "fused"]
     assert {out("boundary", m) for m in range(1, 65)} == {"triton"}  # simpler than cute
@@ -260,6 +261,21 @@ def test_merge_keeps_what_every_result_picked_else_the_simplest_pick():
     # An unfinished result counts for the stages it measured only.
     cut = _result({**q1, "kda": dict.fromkeys(SIZES)}, ["moe"])
     assert Policy.from_json(tune.merged([_result(q1, measured), cut]))("kda", 1) == "fused"
+
+
+def test_a_later_run_of_the_same_step_supersedes_the_stages_it_measured_again():
+    stock = {s: dict.fromkeys(SIZES) for s in STAGES}
+    old = _result({**stock, "moe": dict.fromkeys(SIZES, "grouped")}, ["moe", "kda"])
+    new = {**stock, "moe": dict.fromkeys(SIZES, "per_route"), "kda": dict.fromkeys(SIZES, "fused")}
+    later = _result(new, ["kda"], date="2026-12-06")
+    out = Policy.from_json(tune.merged([old, later]))
+    assert out("kda", 1) == "fused"  # re-measured: the later run's pick alone
+    assert out("moe", 1) == "grouped"  # measured only by the earlier run
+    # Another q is another step: both picks count (stock, the simpler, where they differ).
+    assert Policy.from_json(tune.merged([old, {**later, "q": 4}]))("kda", 1) is None
+    # A later run on fewer sizes does not stand for the earlier one's.
+    short = {**later, "sizes": [1, 2]}
+    assert Policy.from_json(tune.merged([old, short]))("kda", 1) is None
 
 
 def test_the_sm90_default_is_the_merge_of_the_h200_tune_results():

@@ -91,10 +91,12 @@ def merged(results: Sequence[dict]) -> dict:
     """One table from several tune results (each q, each geometry a deployment serves): at
     each token count 1..64 the choice every result that measured the stage picked, else the
     simplest of their picks — a choice enters only where it was the best, or tied with it,
-    in every one. A stage no result measured: the same rule over the tables they ran. (The
+    in every one. A stage no result measured: the same rule over the tables they ran. A
+    later run of the same step (geometry, q) on at least the same sizes supersedes an earlier
+    one's measurement of each stage it measured again (the code moved on in between). (The
     SM90 default is this over the H200's results: tests/glm5_runtime/test_tune.py.)"""
     counts = range(1, MAX_TOKENS + 1)
-    tables = [(set(r["stages"]), from_policy(Policy.from_json(r["policy"]), counts))
+    tables = [(_current(r, results), from_policy(Policy.from_json(r["policy"]), counts))
               for r in results]  # fmt: skip
     table: Table = {}
     for stage in STAGES:
@@ -104,6 +106,15 @@ def merged(results: Sequence[dict]) -> dict:
         table[stage] = {m: min((p[m] for p in picks), key=order.index, default=None)
                         for m in counts}  # fmt: skip
     return policy_json(table, counts)
+
+
+def _current(result: dict, results: Sequence[dict]) -> set[str]:
+    """The stages `result` measured that no later run of its step (on a later date, at
+    least its sizes) measured again."""
+    step = (result["geometry"], result["q"])
+    later = [r for r in results if (r["geometry"], r["q"]) == step and r["date"] > result["date"]
+             and set(r["sizes"]) >= set(result["sizes"])]  # fmt: skip
+    return {s for s in result["stages"] if not any(s in r["stages"] for r in later)}
 
 
 def from_policy(policy: Policy, sizes: Sequence[int]) -> Table:
