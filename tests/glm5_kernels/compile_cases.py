@@ -212,7 +212,6 @@ def kda_cases(arch: int) -> int:
     """The KDA decode kernel at GLM-5.3-Flash's head (K = V = 128, conv width 4, the safe
     gate): decodes (1 token) and verifies of 2, 4 and 8 tokens (every state kept) at the
     plan's tiles, a head split over 8 CTAs to one, and the softplus gate."""
-    from glm5_kernels.kda.decode import _chunk
     from glm5_kernels.kda.triton_kda import kda_decode_kernel
 
     types = {n: "*bf16" for n in ("qkv_ptr", "f_ptr", "b_ptr", "gate_ptr", "out_ptr", "conv_ptr",
@@ -233,11 +232,9 @@ def kda_cases(arch: int) -> int:
              (8, True, True, 128, 4, 128))  # fmt: skip
     for t, keep, lb, bv, warps, rank in cases:
         tp = 1 << (t - 1).bit_length()
-        # The op's projection rounds (unused without f_b / g_b in the kernel).
-        rc_f, rc_g = (_chunk(rank, tp * 128), _chunk(rank, tp * bv)) if rank else (8, 8)
         constexprs = {"T": t, "TP": tp, "K": 128, "V": 128, "BV": bv, "W": 4,
                       "NCP": 1 << (1 + t).bit_length(), "KEEP": keep, "HAS_LB": lb, "RF": rank,
-                      "RG": rank, "RC_F": rc_f, "RC_G": rc_g, "INTERPRETER": False,
+                      "RG": rank, "X8": rank > 0, "INTERPRETER": False,
                       "PDL": True}  # fmt: skip
         ptx = _compile(kda_decode_kernel, types, constexprs, arch, num_warps=warps)
         # PDL, a split head's hand-off through an atomic, and no spills

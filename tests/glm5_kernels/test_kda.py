@@ -136,14 +136,3 @@ def test_bad_input_names_every_problem():
     with pytest.raises(ValueError, match="K=12: a power of two"):
         KdaDecode(torch.zeros(2 * (2 * 12 + V), W), torch.zeros(2 * 12), torch.zeros(2),
                   torch.ones(V), lower_bound=-5.0, eps=1e-5)  # fmt: skip
-
-
-def test_projection_rounds_fit_the_register_tile():
-    """The low-rank projection's columns a round: a power of two from 8 that divides the rank,
-    at most 4096 products a round (GLM-5.3-Flash's rank 128: f over 128 columns 32 a round
-    at one token, a 16-row gate slice the whole rank in one round)."""
-    from glm5_kernels.kda.decode import _chunk
-
-    assert [_chunk(128, 128), _chunk(128, 16), _chunk(128, 2 * 128), _chunk(128, 8 * 128)] == [
-        32, 128, 16, 8]  # fmt: skip
-    assert _chunk(24, 16) == 8 and _chunk(48, 16) == 16 and _chunk(8, 4096) == 8

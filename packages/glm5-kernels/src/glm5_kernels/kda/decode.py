@@ -197,7 +197,8 @@ class KdaDecode:
             NCP=1 << (self.width - 3 + t).bit_length(),  # >= W-2+T
             KEEP=keep, HAS_LB=lb is not None,
             RF=self.f_width if self.low_rank else 0, RG=self.gate_width if self.low_rank else 0,
-            RC_F=_chunk(self.f_width, tp * k), RC_G=_chunk(self.gate_width, tp * bv),
+            X8=self.low_rank and all(_row_stride(x) % 8 == 0 and x.data_ptr() % 16 == 0
+                                     for x in (f, gate)),
             INTERPRETER=self._interp, PDL=self._pdl, num_warps=warps, launch_pdl=self._pdl,
         )  # fmt: skip
         return out
@@ -252,16 +253,6 @@ class KdaDecode:
                 problems.append(f"conv_offset: a window past the {conv.shape[1]} conv columns")
         if problems:
             raise ValueError("KdaDecode: " + "; ".join(problems))
-
-
-def _chunk(r: int, tile: int, elements: int = 4096) -> int:
-    """Columns of a low-rank width r projected a round by `triton_kda._up` over a [tile, RC]
-    register tile of at most `elements` products: a power of two from 8 to r (r: a multiple
-    of 8)."""
-    rc = 8
-    while rc * 2 <= r and r % (rc * 2) == 0 and tile * rc * 2 <= elements:
-        rc *= 2
-    return rc
 
 
 def _row_stride(x: Tensor) -> int:

@@ -62,30 +62,43 @@ def _conv(conv_row_ptr, qkv_ptr, w_ptr, tt, T, c, offset, stride_cc, stride_qkv,
 
 
 @triton.jit
-def _up(x_ptr, stride_x, w_ptr, rows, live, cols, R: tl.constexpr, RC: tl.constexpr,
-        INTERPRETER: tl.constexpr):  # fmt: skip
-    """A low-rank projection's second half: rows of x [., R] times w[cols, :R]^T (w [N, R]
-    row-major), [len(rows), len(cols)] FP32 sums of exact products rounded to BF16. RC
-    columns of R a round: few rounds, because each is a dependent trip to memory (R / 8 of
-    them cost the one-token step ~1 µs each), within a [rows, cols, RC] register tile."""
-    acc = tl.zeros([rows.shape[0], cols.shape[0]], tl.float32)
+def _up(x_ptr, stride_x, w_ptr, row0, T, col0, TP: tl.constexpr, N: tl.constexpr,
+        R: tl.constexpr, X8: tl.constexpr, INTERPRETER: tl.constexpr):  # fmt: skip
+    """A low-rank projection's second half: rows row0 .. row0 + T of x [., R] times
+    w[col0 : col0 + N, :R]^T (w row-major), [TP, N] FP32 sums of exact products rounded to
+    BF16 (rows past T: zeros). Every (row, column) pair is one flat index of a [TP * N, RC]
+    tile whose RC products (16 bytes of w) a thread sums itself: no sum crosses threads (a
+    [rows, cols, RC] tile put RC over the lanes: ~1,500 shuffles and ~100 barriers a
+    one-token step, 3.5x the kernel's instructions). The rounds' loads are independent. X8:
+    x's rows start 16-byte aligned (a row stride of 8k elements: TP-8's fused projection rows
+    are 3336 wide, which Triton's 16-divisibility cannot see), so its loads are vectors too."""
+    RC: tl.constexpr = 8  # one 16-byte load of w a round
+    i = tl.arange(0, TP * N)
+    t, c = i // N, col0 + i % N
+    live = t < T
+    at = (row0 + t) * stride_x
+    if X8:
+        at = tl.multiple_of(at, 8)
+    acc = tl.zeros([TP * N], tl.float32)
     for j in tl.static_range(0, R, RC):
         jj = j + tl.arange(0, RC)
-        x = tl.load(x_ptr + rows[:, None] * stride_x + jj[None, :], mask=live[:, None],
+        x = tl.load(x_ptr + at[:, None] + jj[None, :], mask=live[:, None],
                     other=0.0).to(tl.float32)  # fmt: skip
-        w = tl.load(w_ptr + cols[:, None] * R + jj[None, :]).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    return round_bf16(acc, INTERPRETER)
+        w = tl.load(w_ptr + c[:, None] * R + jj[None, :]).to(tl.float32)
+        acc += tl.sum(x * w, axis=1)
+    return round_bf16(tl.reshape(acc, (TP, N)), INTERPRETER)
 
 
 @triton.jit
-def _gate(gate_ptr, gb_ptr, rows, live, cols, stride_g, RG: tl.constexpr, RC: tl.constexpr,
-          INTERPRETER: tl.constexpr):  # fmt: skip
-    """The output gate's columns `cols` of the rows: loaded, or projected from g_a (RG > 0)."""
+def _gate(gate_ptr, gb_ptr, row0, T, col0, stride_g, TP: tl.constexpr, N: tl.constexpr,
+          RG: tl.constexpr, X8: tl.constexpr, INTERPRETER: tl.constexpr):  # fmt: skip
+    """The output gate's columns col0 .. col0 + N of the step's rows: loaded, or projected
+    from g_a (RG > 0)."""
     if RG > 0:
-        return _up(gate_ptr, stride_g, gb_ptr, rows, live, cols, RG, RC, INTERPRETER)
-    return tl.load(gate_ptr + rows[:, None] * stride_g + cols[None, :], mask=live[:, None],
-                   other=0.0).to(tl.float32)  # fmt: skip
+        return _up(gate_ptr, stride_g, gb_ptr, row0, T, col0, TP, N, RG, X8, INTERPRETER)
+    rows, cols = row0 + tl.arange(0, TP), col0 + tl.arange(0, N)
+    return tl.load(gate_ptr + rows[:, None] * stride_g + cols[None, :],
+                   mask=(tl.arange(0, TP) < T)[:, None], other=0.0).to(tl.float32)  # fmt: skip
 
 
 @triton.jit
@@ -114,7 +127,7 @@ def kda_decode_kernel(
     H, q_scale, lower_bound, eps,
     T: tl.constexpr, TP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     W: tl.constexpr, NCP: tl.constexpr, KEEP: tl.constexpr, HAS_LB: tl.constexpr,
-    RF: tl.constexpr, RG: tl.constexpr, RC_F: tl.constexpr, RC_G: tl.constexpr,
+    RF: tl.constexpr, RG: tl.constexpr, X8: tl.constexpr,
     INTERPRETER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     NV: tl.constexpr = V // BV
@@ -160,7 +173,7 @@ def kda_decode_kernel(
     rows = row0 + tt
     live = tt < T
     if RF > 0:  # f_a rows: this head's columns of f_b here
-        f = _up(f_ptr, stride_f, fb_ptr, rows, live, h * K + kk, RF, RC_F, INTERPRETER)
+        f = _up(f_ptr, stride_f, fb_ptr, row0, T, h * K, TP, K, RF, X8, INTERPRETER)
     else:
         f = tl.load(f_ptr + rows[:, None] * stride_f + h * K + kk[None, :], mask=live[:, None],
                     other=0.0).to(tl.float32)  # fmt: skip
@@ -173,7 +186,8 @@ def kda_decode_kernel(
                          INTERPRETER)  # fmt: skip
     if NV > 1 and RG > 0:  # a split head: each slice projects its own gate columns now, in
         # parallel, rather than the head's last CTA all V of them after everyone
-        g_slice = _up(gate_ptr, stride_g, gb_ptr, rows, live, h * V + vv, RG, RC_G, INTERPRETER)
+        g_slice = _up(gate_ptr, stride_g, gb_ptr, row0, T, h * V + jv * BV, TP, BV, RG, X8,
+                      INTERPRETER)  # fmt: skip
         tl.store(gbuf_ptr + rows[:, None] * (H * V) + h * V + vv[None, :], g_slice,
                  mask=live[:, None])  # fmt: skip
 
@@ -197,7 +211,7 @@ def kda_decode_kernel(
     at = conv_row + dst[:, None] * stride_cc
     keep_cols = cols[:, None] < n_cols
     if NV == 1:  # the whole head here: the norm from registers, no hand-off
-        gate = _gate(gate_ptr, gb_ptr, rows, live, h * V + vv, stride_g, RG, RC_G, INTERPRETER)
+        gate = _gate(gate_ptr, gb_ptr, row0, T, h * V, stride_g, TP, BV, RG, X8, INTERPRETER)
         norm_w = tl.load(norm_w_ptr + vv).to(tl.float32)
         rms = tl.sqrt_rn(tl.sum(o_all * o_all, axis=1) / V + eps)
         y = norm_w[None, :] * (o_all / rms[:, None]) * torch_sigmoid(gate, INTERPRETER)
@@ -243,7 +257,8 @@ def _hand_off(o_all, out_at, vv, live, rows, h, jv, r, at, keep_cols, cq, ck, cv
             gate = tl.load(gbuf_ptr + rows[:, None] * (H * V) + h * V + va[None, :],
                            mask=live[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
         else:
-            gate = _gate(gate_ptr, gate_ptr, rows, live, h * V + va, stride_g, 0, 8, INTERPRETER)
+            gate = tl.load(gate_ptr + rows[:, None] * stride_g + h * V + va[None, :],
+                           mask=live[:, None], other=0.0).to(tl.float32)  # fmt: skip
         norm_w = tl.load(norm_w_ptr + va).to(tl.float32)
         y = norm_w[None, :] * (o_full / tl.sqrt_rn(ss / V + eps)[:, None])
         y = y * torch_sigmoid(gate, INTERPRETER)
