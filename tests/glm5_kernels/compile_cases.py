@@ -230,6 +230,7 @@ def kda_cases(arch: int) -> int:
     cases = ((1, False, True, 16, 2, 0), (1, False, True, 128, 8, 0), (2, True, True, 32, 2, 0),
              (8, True, True, 128, 4, 0), (4, True, False, 64, 4, 0), (1, False, True, 16, 2, 128),
              (8, True, True, 128, 4, 128))  # fmt: skip
+    shuffles = {}
     for t, keep, lb, bv, warps, rank in cases:
         tp = 1 << (t - 1).bit_length()
         constexprs = {"T": t, "TP": tp, "K": 128, "V": 128, "BV": bv, "W": 4,
@@ -240,7 +241,13 @@ def kda_cases(arch: int) -> int:
         # PDL, a split head's hand-off through an atomic, and no spills
         assert "griddepcontrol.wait" in ptx and ("atom" in ptx) == (bv < 128), (t, keep, lb, bv)
         assert "st.local" not in ptx, (t, keep, lb, bv)
+        shuffles[t, bv, warps, rank] = ptx.count("shfl.sync")
         n += 1
+    # The gates' projection sums its products within a thread: a few shuffles more than the
+    # plain kernel's, not a reduction over the lanes (1,540 against 179 at one token before).
+    for t, bv, warps in ((1, 16, 2), (8, 128, 4)):
+        plain, gates = shuffles[t, bv, warps, 0], shuffles[t, bv, warps, 128]
+        assert gates <= 1.25 * plain, (t, bv, warps, plain, gates)
     return n
 
 
