@@ -1,7 +1,9 @@
 """The mHC boundary of GLM-5.3-Flash decode (4 streams x hidden 4096) on one GPU: the
 previous sublayer's post, the next one's pre (mix, 20 Sinkhorn iterations) and its input
-RMSNorm. Ours (`MhcBoundary.post_pre`, one launch: the Triton kernel, path `triton`, or the
-CuTe DSL cluster kernel, path `cute`) vs the stock sequence (the backbone's torch
+RMSNorm. Ours (`MhcBoundary.post_pre`, one launch: the Triton kernel, path `triton`, the
+CuTe DSL cluster kernel, path `cute`, or that kernel taking the previous boundary's comb as
+mix logits and leaving its own so, path `cute_deferred`: both Sinkhorns before its PDL
+wait, under the previous call) vs the stock sequence (the backbone's torch
 ops: post, pre, norm, as the reference backbone and vLLM's native path run them), and the HBM
 floor (x, the streams read and written, fn, the norm weight and the normed output ÷
 `hbm_bandwidth()` measured in the same run). World size 1: no all-reduce (`nccl_us` null).
@@ -35,8 +37,10 @@ import time
 import torch
 from provenance import floor_bandwidth, provenance, result_args, write_result
 
-from glm5_kernels.mhc import MhcBoundary, MhcConfig, hc_fused_post_pre_ref
+from glm5_kernels.mhc import MhcBoundary, MhcConfig, PendingComb, hc_fused_post_pre_ref
 from glm5_kernels.mhc.boundary import POST
+from glm5_kernels.mhc.cute_mhc import READY
+from glm5_kernels.mhc.reference import sinkhorn_ref
 from glm5_kernels.timing import graph_calls_us
 from glm5_runtime.bench import call_launches
 
@@ -54,8 +58,17 @@ def inputs(m: int, gen):
     x = torch.randn(m, D, generator=gen, device="cuda").bfloat16()
     streams = torch.randn(m, H, D, generator=gen, device="cuda").bfloat16()
     post = 2 * torch.rand(m, H, generator=gen, device="cuda")
-    comb = torch.rand(m, H, H, generator=gen, device="cuda")
-    return x, streams, post, comb / comb.sum(1, keepdim=True), fn, scale, base, norm
+    logits = torch.randn(m, H, H, generator=gen, device="cuda")
+    comb = sinkhorn_ref(logits, c.hc_eps, c.sinkhorn_iters)
+    return x, streams, post, comb, fn, scale, base, norm, logits
+
+
+def deferred(s):
+    """A set's inputs with comb as the pending logits of a boundary done before."""
+    x, streams, post, _, fn, scale, base, norm, logits = s
+    ready = torch.full((-(-len(x) // MhcBoundary.cute_tb(len(x))),), READY, dtype=torch.int32,
+                       device="cuda")  # fmt: skip
+    return x, streams, post, PendingComb(logits, ready), fn, scale, base, norm
 
 
 def stock(args):
@@ -101,34 +114,40 @@ def main() -> None:
     ops = {"triton": MhcBoundary(CONFIG, device="cuda")}
     if "cute" in paths:
         ops["cute"] = MhcBoundary(CONFIG, device="cuda", cute_tokens=range(1, 65))
+    if "cute_deferred" in paths:
+        ops["cute_deferred"] = MhcBoundary(CONFIG, device="cuda", cute_tokens=range(1, 65),
+                                           defer_tokens=range(1, 65))  # fmt: skip
     if args.profile:
         for m in (int(t) for t in args.tokens.split(",")):
             for path in paths:
-                ops[path].post_pre(*inputs(m, gen))
+                s = inputs(m, gen)
+                ops[path].post_pre(*(deferred(s) if path == "cute_deferred" else s[:8]))
         torch.cuda.synchronize()
         return
     if args.phases:
-        found = [phases(int(m), [inputs(int(m), gen) for _ in range(COPIES)])
+        found = [phases(int(m), [inputs(int(m), gen)[:8] for _ in range(COPIES)])
                  for m in args.tokens.split(",")]  # fmt: skip
         write_result(args.out, provenance("boundary", args) | {"phases": found})
         return
     rows, sweep, start = [], [], time.perf_counter()
     for m in (int(t) for t in args.tokens.split(",")):
         sets = [inputs(m, gen) for _ in range(COPIES)]
-        stocks = [stock(s) for s in sets]
+        stocks = [stock(s[:8]) for s in sets]
         want = stocks[0]()
         floor = boundary_bytes(m) / bw * 1e6
         stock_us = graph_calls_us(stocks)
         for path in paths:
             op = ops[path]
-            ours = [lambda s=s, op=op: op.post_pre(*s) for s in sets]
-            got = ours[0]()
-            if path == "cute":
+            given = [deferred(s) if path == "cute_deferred" else s[:8] for s in sets]
+            ours = [lambda s=s, op=op: op.post_pre(*s) for s in given]
+            got = list(ours[0]())
+            got[2] = op.resolve_comb(got[2])
+            if path.startswith("cute"):
                 assert m in op.cute_tokens, "the CuTe DSL boundary did not build"
             err = max(((g.float() - w.float()).abs().max() / w.float().abs().max()).item()
                       for g, w in zip(got, want, strict=True))  # fmt: skip
             us = graph_calls_us(ours)
-            plan = {"tb": op.cute_tb(m)} if path == "cute" else vars(op.plans[m])
+            plan = {"tb": op.cute_tb(m)} if path.startswith("cute") else vars(op.plans[m])
             row = {"world": 1, "tokens": m, "path": path, "us": us, "stock_us": stock_us,
                    "nccl_us": None, "floor_us": floor, "floor_ratio": us / floor,
                    "speedup_vs_stock": stock_us / us, "launches": call_launches(ours[0]),
@@ -150,6 +169,8 @@ def main() -> None:
 def _sweep(path: str, op: MhcBoundary, m: int, ours) -> list[dict]:
     """The tile variants of one path at m tokens, timed (the plan restored after)."""
     out = []
+    if path == "cute_deferred":  # its pending inputs are sized by the plan's clusters
+        return out
     if path == "cute":
         for tb in (1, 2, 4, 8):
             if -(-m // tb) > 16:  # more clusters than GPCs x 2 could hold at once
@@ -193,10 +214,12 @@ def phases(m: int, sets) -> dict:
              torch.empty(m, H, device="cuda"), torch.empty(m, H, H, device="cuda"),
              torch.empty(m, D, dtype=torch.bfloat16, device="cuda")) for _ in sets]  # fmt: skip
 
+    unready = torch.zeros(1, dtype=torch.int32, device="cuda")  # no deferred comb here
+
     def chain():
         stream = torch.cuda.current_stream().cuda_stream
         for s, out, st in zip(sets, outs, stamps, strict=True):
-            cute_mhc.launch(kernel, [*s, *out, st], m, stream)
+            cute_mhc.launch(kernel, [*s, *out, st, unready, unready], m, stream)
 
     chain()
     torch.cuda.synchronize()

@@ -14,21 +14,30 @@ CONFIG = dict(hidden=4096, rms_eps=1e-6, hc_eps=1e-6, norm_eps=1e-5, post_mult=2
 
 def mhc_cases() -> int:
     """Every mode at one token a cluster, the post at every tokens-a-cluster the plan uses,
-    BF16 mix weights once."""
+    BF16 mix weights once; with comb deferred (`pend_in`: the previous boundary's comb
+    balanced here, `pend_out`: this one's left as logits), every mode that takes or leaves a
+    comb and the post at every tokens-a-cluster."""
     f32 = ("float32", "float32", "float32", "bfloat16")
     bf16 = ("bfloat16", "bfloat16", "bfloat16", "float32")
     given, expand, post = GIVEN, EXPAND, POST
+    tbs = sorted({MhcBoundary.cute_tb(m) for m in range(1, 65)})
     cases = [(given, False, False, 1, f32), (expand, False, True, 1, f32),
              (post, True, False, 1, f32), (post, False, True, 1, bf16)]  # fmt: skip
-    cases += [(post, False, True, tb, f32)
-              for tb in sorted({MhcBoundary.cute_tb(m) for m in range(1, 65)})]  # fmt: skip
+    cases += [(post, False, True, tb, f32) for tb in tbs]
+    cases = [(*case, False, False) for case in cases]
+    cases += [(given, False, False, 1, f32, False, True),
+              (expand, False, True, 1, f32, False, True),
+              (post, True, False, 1, f32, True, False)]  # fmt: skip
+    cases += [(post, False, True, tb, f32, True, True) for tb in tbs]
     compiled = []
-    for n, (mode, head, store, tb, weights) in enumerate(cases):
+    for n, (mode, head, store, tb, weights, pend_in, pend_out) in enumerate(cases):
         kernel = cute_mhc.compile_boundary(cute_mhc.slot_dtypes(weights), mode=mode, head=head,
-                                           store=store, tb=tb, **CONFIG)  # fmt: skip
+                                           store=store, tb=tb, pend_in=pend_in,
+                                           pend_out=pend_out, **CONFIG)  # fmt: skip
         compiled.append(kernel)
         for kept in Path().glob("*CuteBoundary*.ptx"):  # the DSL names it by the function
-            kept.rename(f"mhc-{n}-{'head' if head else 'mix'}.ptx")
+            pend = "-in" * pend_in + "-out" * pend_out
+            kept.rename(f"mhc-{n}-{'head' if head else 'mix'}{pend}.ptx")
     # The benchmark's timestamped build (benchmarks/boundary.py --phases), one token a cluster.
     stamped = cute_mhc.compile_boundary(cute_mhc.slot_dtypes(f32), mode=post, head=False,
                                         store=True, tb=1, **CONFIG, phases=True)  # fmt: skip
@@ -38,7 +47,7 @@ def mhc_cases() -> int:
     assert "%globaltimer" in ptx and "%clock64" in ptx, "no timestamps in the phases build"
     kept.rename("stamped.ptx")  # not one of the mhc-*.ptx the parent checks for the design
     # Once a process: asked again (another decode's boundary), the same kernel, no compile.
-    mode, head, store, tb, weights = cases[0]
+    mode, head, store, tb, weights, _, _ = cases[0]
     again = cute_mhc.compile_boundary(cute_mhc.slot_dtypes(weights), mode=mode, head=head,
                                       store=store, tb=tb, **CONFIG)  # fmt: skip
     assert again is compiled[0] and len({id(c) for c in compiled}) == len(cases)

@@ -3,7 +3,9 @@
 architecture (cute_compile_cases.py). The kept PTX of the mHC boundary shows what the design
 relies on: the weights' loads issued before the PDL wait, the cluster's partial sums stored
 into the peers' shared memory by st.async completing on an mbarrier, no global atomics and
-no local memory."""
+no local memory; with comb deferred, the ready word polled with acquire loads before the
+wait, cleared between the wait and the release of the dependents, set with a release store
+after them."""
 
 import os
 import re
@@ -24,7 +26,8 @@ def test_cute_kernels_compile(arch, tmp_path):
                            capture_output=True, text=True)  # fmt: skip
     assert child.returncode == 0, child.stderr[-4000:]
     compiled = re.search(rf"{arch}: compiled (\d+) CuTe mHC kernels", child.stdout)
-    assert compiled and int(compiled.group(1)) >= 6, child.stdout  # 4 modes + the post's tb
+    # 4 modes + the post's tb, deferred: 3 modes + the post's tb
+    assert compiled and int(compiled.group(1)) >= 11, child.stdout
     ptx = sorted(tmp_path.glob("mhc-*.ptx"))
     assert len(ptx) == int(compiled.group(1)), [p.name for p in ptx]
     for path in ptx:
@@ -33,7 +36,7 @@ def test_cute_kernels_compile(arch, tmp_path):
         body = text[text.index("griddepcontrol.wait") :]
         before = text[: text.index("griddepcontrol.wait")]
         # fn (24 x 4 values a thread, where the kernel mixes) and the norm weight before the wait.
-        weights = 1 if path.stem.endswith("head") else 24 * 4 + 1
+        weights = 1 if "-head" in path.stem else 24 * 4 + 1
         assert before.count("ld.global") >= weights, path.name
         assert "ld.global" in body, "the inputs are read after the wait"
         assert "barrier.cluster.arrive" in before and "barrier.cluster.wait" in body
@@ -46,3 +49,12 @@ def test_cute_kernels_compile(arch, tmp_path):
         # compiles to a slow-path branch the scheduler cannot interleave).
         assert ".minnctapersm 2" in text, path.name
         assert not re.search(r"\b(div|rcp|sqrt)\.rn\.f32", text), path.name
+        # The ready words (module docstring of cute_mhc): polled (bounded: a trap) before
+        # the wait where comb comes in deferred, cleared before the dependents' release and
+        # set by a release store after the wait where it goes out so.
+        pend_in, pend_out = "-in" in path.stem, "-out" in path.stem
+        assert ("ld.acquire.gpu" in before and "trap;" in before) == pend_in, path.name
+        assert "ld.acquire.gpu" not in body, path.name
+        released = body[: body.index("griddepcontrol.launch_dependents")]
+        assert ("st.relaxed.gpu" in released and "fence.acq_rel.gpu" in released) == pend_out
+        assert ("st.release.gpu" in body[len(released) :]) == pend_out, path.name

@@ -21,6 +21,7 @@ from mhc_cases import (
 
 from glm5_kernels.mhc import (
     MhcBoundary,
+    PendingComb,
     hc_expand_ref,
     hc_fused_post_pre_ref,
     hc_head_ref,
@@ -28,6 +29,7 @@ from glm5_kernels.mhc import (
     hc_pre_ref,
 )
 from glm5_kernels.mhc.boundary import _Plan
+from glm5_kernels.mhc.reference import sinkhorn_ref
 from glm5_kernels.norm import rms_norm_ref
 
 pytestmark = pytest.mark.skipif(
@@ -224,6 +226,52 @@ def test_cute_tokens_fall_back_to_triton_with_one_warning(caplog):
     assert_streams(got[0], want[0])
     assert_mix(got[1], got[2], want[1], want[2])
     assert_normed(got[3], want[3])
+
+
+def test_a_pending_comb_reaching_the_triton_kernel_is_balanced_first(caplog):
+    """A deferred comb (a CuTe boundary's mix logits) given to a boundary that runs the
+    Triton kernel — here, where the CuTe kernel cannot run, so deferring falls back with the
+    same one warning — is balanced by torch first: the boundary equals the one given that
+    comb as a tensor, bit for bit."""
+    c = config(64)
+    gen = torch.Generator().manual_seed(13)
+    with caplog.at_level("WARNING", logger="glm5_kernels.mhc.boundary"):
+        op = MhcBoundary(c, max_tokens=4, device="cpu", cute_tokens=range(1, 5),
+                         defer_tokens=range(1, 5))  # fmt: skip
+    assert len([r for r in caplog.records if "CuTe DSL" in r.getMessage()]) == 1
+    assert op.defer_tokens == frozenset()
+    fn, scale, base, norm = site_weights(c, "cpu", gen)
+    x, streams, post, _ = boundary_inputs(c, 3, "cpu", gen)
+    logits = torch.randn(3, c.hc, c.hc, generator=gen)
+    pending = PendingComb(logits, torch.zeros(3, dtype=torch.int32))
+    comb = op.resolve_comb(pending)
+    assert torch.equal(comb, sinkhorn_ref(logits, c.hc_eps, c.sinkhorn_iters))
+    assert op.resolve_comb(comb) is comb
+    got = op.post_pre(x, streams, post, pending, fn, scale, base, norm)
+    want = op.post_pre(x, streams, post, comb, fn, scale, base, norm)
+    assert not isinstance(got[2], PendingComb)  # nothing deferred where the CuTe kernel is not
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_bad_pending_comb_is_named():
+    c = config(64)
+    gen = torch.Generator().manual_seed(14)
+    op = _op(c)
+    fn, scale, base, norm = site_weights(c, "cpu", gen)
+    x, streams, post, comb = boundary_inputs(c, 3, "cpu", gen)
+    # 3 tokens: one token a cluster, three ready words
+    bad = PendingComb(comb[:, :2], torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError) as e:
+        op.post_pre(x, streams, post, bad, fn, scale, base, norm)
+    msg = str(e.value)
+    assert "comb.logits: (3, 2, 4)" in msg and "comb.ready: (2,) torch.int64" in msg, msg
+    ready = torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="out: aliases an input"):
+        op.post_pre(x, streams, post, PendingComb(comb, ready), fn, scale, base, norm,
+                    out=(torch.empty(3, 4, 64, dtype=torch.bfloat16), torch.empty(3, 4),
+                         PendingComb(torch.empty(3, 4, 4), ready),
+                         torch.empty(3, 64, dtype=torch.bfloat16)))  # fmt: skip
 
 
 @pytest.mark.parametrize("m", range(1, 65))

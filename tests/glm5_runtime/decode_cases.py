@@ -23,12 +23,19 @@ from glm5_kernels.kda import kda_decode_ref
 # steps: 2 and 4 tokens, q = 3: 3 and 9).
 # The fused mHC boundaries everywhere but 17-20 tokens (the stock boundaries beside the
 # stages there): the CuTe DSL kernel at 1-8 and 21-64 tokens (where it builds: a CUDA GPU;
-# the Triton kernel otherwise), the Triton one at 9-16. The fused KDA step with the gates'
+# the Triton kernel otherwise) — at 1-4 and 33-64 with each comb deferred to the next
+# boundary — the Triton one at 9-16. The fused KDA step with the gates'
 # up-projections inside it at 1-2 tokens (fused_gates), after the stock f_b / g_b linears
 # at 3-64.
 ALL_STAGES = {
     "moe": {"1-2": "per_route", "3": "fused_router", "5-16": "grouped", "33-64": "grouped"},
-    "boundary": {"1-8": "cute", "9-16": "triton", "21-64": "cute"},
+    "boundary": {
+        "1-4": "cute_deferred",
+        "5-8": "cute",
+        "9-16": "triton",
+        "21-32": "cute",
+        "33-64": "cute_deferred",
+    },
     "kda": {"1-2": "fused_gates", "3-64": "fused"},
     "dsa_attn": {"1-64": "sparse"},
     "dsa_indexer": {"1-64": "fused"},

@@ -20,7 +20,7 @@ def test_candidates_are_stock_then_every_built_choice_simplest_first():
     for stage in tune.ORDER:
         c = candidates(stage)
         assert c[0] is None and set(c[1:]) == STAGES[stage] and len(c) == len(STAGES[stage]) + 1
-    assert candidates("boundary") == [None, "triton", "cute"]
+    assert candidates("boundary") == [None, "triton", "cute", "cute_deferred"]
     assert candidates("kda") == [None, "fused", "fused_gates"]
 
 

@@ -31,8 +31,10 @@ STAGES: MappingProxyType[str, frozenset[str]] = MappingProxyType(
         # The BF16 router GEMM as split-K.
         "router": frozenset({"split_k"}),
         # (All-reduce +) mHC post + Sinkhorn pre + RMSNorm in one kernel: the Triton kernel
-        # (every world size), or the CuTe DSL cluster kernel (world size 1; Triton above).
-        "boundary": frozenset({"triton", "cute"}),
+        # (every world size), or the CuTe DSL cluster kernel (world size 1; Triton above);
+        # `cute_deferred`: the CuTe kernel leaving each comb's Sinkhorn to the next
+        # boundary, which runs it before its PDL wait.
+        "boundary": frozenset({"triton", "cute", "cute_deferred"}),
         # Layers 0-2's dense SwiGLU MLP as FP8 block-scaled GEMVs.
         "dense_mlp": frozenset({"gemv"}),
         # KDA conv + gate + recurrence + gated norm in one kernel; `fused_gates`: with the

@@ -692,9 +692,13 @@ class SpecializedDecode(LayerStages):
         if missing:
             raise ValueError(f"no {', '.join(missing)}")
         # `cute`: the CuTe DSL cluster kernel where it builds (world size 1: with an exchange,
-        # and where it cannot build, MhcBoundary runs the Triton kernel and says so once).
-        cute = [m for m in tokens if self.policy("boundary", m) == "cute"]
-        op = MhcBoundary(b.mhc, max_tokens=max(tokens), device=final.device, cute_tokens=cute)
+        # and where it cannot build, MhcBoundary runs the Triton kernel and says so once);
+        # `cute_deferred`: each comb balanced by the next boundary (`run` passes it on).
+        kind = {m: self.policy("boundary", m) for m in tokens}
+        cute = [m for m, k in kind.items() if k in ("cute", "cute_deferred")]
+        defer = [m for m, k in kind.items() if k == "cute_deferred"]
+        op = MhcBoundary(b.mhc, max_tokens=max(tokens), device=final.device, cute_tokens=cute,
+                         defer_tokens=defer)  # fmt: skip
         for w in sites.values():
             op.check_weights(*w)
         op.check_weights(*sites[self.layers[0].index, "attn"][:3], final)

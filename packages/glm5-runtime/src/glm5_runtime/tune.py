@@ -43,7 +43,7 @@ TIE = 0.01  # the smallest tie band: 1 % of the step
 # Simplest first after stock: the Triton boundary before the CuTe cluster kernel, the plain
 # KDA step before the one that projects its gates, one expert group per route before 16-row
 # groups, the router in its own launch before the one inside the routing launch.
-SIMPLER = {"boundary": ("triton", "cute"), "kda": ("fused", "fused_gates"),
+SIMPLER = {"boundary": ("triton", "cute", "cute_deferred"), "kda": ("fused", "fused_gates"),
            "moe": ("per_route", "grouped", "fused_router")}  # fmt: skip
 # The order stages are tuned in: the ones that own most of the step first; moe before the
 # router and shared expert it runs inside its own launches where it serves a size.

@@ -1,7 +1,7 @@
 """mHC: hyper-connection stream mixing (pre / post / boundary / head / expand): the references
 and `MhcBoundary`, each boundary as one kernel."""
 
-from glm5_kernels.mhc.boundary import MhcBoundary, MhcConfig
+from glm5_kernels.mhc.boundary import MhcBoundary, MhcConfig, PendingComb
 from glm5_kernels.mhc.reference import (
     hc_expand_ref,
     hc_fused_post_pre_ref,
@@ -14,6 +14,7 @@ from glm5_kernels.mhc.reference import (
 __all__ = [
     "MhcBoundary",
     "MhcConfig",
+    "PendingComb",
     "hc_expand_ref",
     "hc_fused_post_pre_ref",
     "hc_head_ref",

@@ -13,7 +13,10 @@ Two kernels compute the same boundary: the Triton one (`triton_mhc`, every world
 the CuTe DSL one (`cute_mhc`, world size 1: a thread-block cluster whose CTAs combine their
 row sums through distributed shared memory), chosen per token count (`cute_tokens`, the
 policy's `boundary` stage); where the CuTe DSL is missing or a kernel does not build, one
-warning and the Triton kernel.
+warning and the Triton kernel. At the token counts in `defer_tokens` the CuTe boundaries
+hand comb on as a `PendingComb` (its mix logits and a ready word a token group), balanced
+by the next boundary before its PDL wait: Sinkhorn off the critical path (`cute_mhc`'s
+docstring). A caller passes it on like the comb tensor; `resolve_comb` makes it one.
 
 Numerics: the streams round as transformers' BF16 post does (bit-equal); mix, Sinkhorn and
 norms run in FP32. The norm's 1/rms comes from the streams' Gram matrix (the unrounded
@@ -27,13 +30,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from glm5_kernels.launch import capturing, interpreting, next_pow2, sm_count, use_pdl
+from glm5_kernels.mhc.reference import sinkhorn_ref
 
-__all__ = ["MhcBoundary", "MhcConfig"]
+__all__ = ["MhcBoundary", "MhcConfig", "PendingComb"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +78,16 @@ class MhcConfig:
         return (2 + self.hc) * self.hc
 
 
+class PendingComb(NamedTuple):
+    """A comb the next boundary balances: its mix logits [T, H, H] FP32 (the softmax input,
+    scale and base applied) and the ready words [groups] int32 of the CuTe boundary that
+    writes them (one a cluster of tokens). Valid as an input once that boundary was launched
+    before, on the same stream."""
+
+    logits: Tensor
+    ready: Tensor
+
+
 @dataclass(frozen=True)
 class _Plan:
     bd: int  # hidden columns per CTA (all four streams)
@@ -88,7 +103,7 @@ class MhcBoundary:
     counts in `cute_tokens` run the CuTe DSL kernel where it can (world size 1)."""
 
     def __init__(self, config: MhcConfig, *, max_tokens: int = 64, device="cuda",
-                 cute_tokens=()):  # fmt: skip
+                 cute_tokens=(), defer_tokens=()):  # fmt: skip
         if config.hc != 4:
             raise ValueError(f"MhcBoundary: hc={config.hc}, the kernel is built for 4 streams")
         if config.sinkhorn_iters < 1:
@@ -112,16 +127,21 @@ class MhcBoundary:
         self._spare_f32 = torch.zeros(1, device=self._device)
         self._spare_bf16 = torch.zeros(1, dtype=torch.bfloat16, device=self._device)
         self._spare_i64 = torch.zeros(1, dtype=torch.int64, device=self._device)  # phases
+        self._spare_i32 = torch.zeros(1, dtype=torch.int32, device=self._device)  # ready words
         self._xr: Tensor | None = None  # an exchange's reduced rows between two phases
         # The weight dtypes `check_weights` has seen: `prepare` compiles for each (a first
         # launch inside a CUDA-graph capture must not compile).
         self._dtypes: set[tuple[torch.dtype, ...]] = set()
         self.cute_tokens = frozenset(m for m in cute_tokens if self.supports(m))
+        # Token counts whose boundaries leave comb pending (CuTe only: `_no_cute` clears both)
+        self.defer_tokens = frozenset(defer_tokens) & self.cute_tokens
         self._cute: dict[tuple, object] = {}  # compiled CuTe kernels by static configuration
         if self.cute_tokens and (reason := self._cute_unavailable()):
-            logger.warning("MhcBoundary: the CuTe DSL boundary %s; the Triton kernel runs "
-                           "instead", reason)  # fmt: skip
-            self.cute_tokens = frozenset()
+            self._no_cute(f"the CuTe DSL boundary {reason}")
+
+    def _no_cute(self, why: str) -> None:
+        logger.warning("MhcBoundary: %s; the Triton kernel runs instead", why)
+        self.cute_tokens = self.defer_tokens = frozenset()
 
     def _plan(self, m: int) -> _Plan:
         """Token blocks of 16 (the mix dot's M). Columns per CTA from the H200 sweep of
@@ -183,6 +203,7 @@ class MhcBoundary:
             norm = torch.ones(c.hidden, dtype=norm_t, device=dev)
             for m in tokens:
                 x = torch.zeros(m, c.hidden, dtype=bf16, device=dev)
+                # At a deferring token count: comb pending from here on, as a step passes it
                 streams, post, comb, _ = self.expand_pre(x, fn, scale, base, norm)
                 if exchange is not None:  # the vocab-parallel embedding's partial, summed
                     self.expand_pre(x, fn, scale, base, norm, exchange=exchange)
@@ -192,7 +213,8 @@ class MhcBoundary:
     # The boundaries.
     def pre(self, streams, fn, scale, base, norm_weight, *, out=None):
         """streams [T, H, D] BF16 -> (streams, post [T, H] FP32, comb [T, H, H] FP32, the
-        normed sublayer input [T, D] BF16): `hc_pre_ref` then the input RMSNorm."""
+        normed sublayer input [T, D] BF16): `hc_pre_ref` then the input RMSNorm. (At a token
+        count of `defer_tokens`, every boundary's comb is a `PendingComb`.)"""
         x = streams[:, 0] if streams.dim() == 3 else streams
         return self._run(GIVEN, x, streams, None, None, fn, scale, base, norm_weight, out)
 
@@ -219,6 +241,14 @@ class MhcBoundary:
         return self._run(POST, x, streams, post, comb, None, None, None, norm_weight, out,
                          exchange)[3]  # fmt: skip
 
+    def resolve_comb(self, comb: Tensor | PendingComb) -> Tensor:
+        """comb [T, H, H] FP32 from a `PendingComb` (torch ops: softmax and Sinkhorn of its
+        logits, as the reference), or the comb tensor itself."""
+        if not isinstance(comb, PendingComb):
+            return comb
+        c = self.config
+        return sinkhorn_ref(comb.logits, c.hc_eps, c.sinkhorn_iters)
+
     def _run(self, mode, x, streams, post, comb, fn, scale, base, norm, out, exchange=None):
         c = self.config
         head = fn is None
@@ -228,19 +258,31 @@ class MhcBoundary:
             self._check_exchange(exchange, m)
         dev, h, d = self._device, c.hc, c.hidden
         store = not head and mode != GIVEN  # the new streams are an output
+        cute = world == 1 and m in self.cute_tokens
+        pend_out = cute and not head and m in self.defer_tokens
         if out is None:
+            logits = None if head else torch.empty(m, h, h, dtype=torch.float32, device=dev)
             out = (
                 torch.empty(m, h, d, dtype=torch.bfloat16, device=dev) if store else None,
                 None if head else torch.empty(m, h, dtype=torch.float32, device=dev),
-                None if head else torch.empty(m, h, h, dtype=torch.float32, device=dev),
+                PendingComb(logits, torch.empty(-(-m // self.cute_tb(m)), dtype=torch.int32,
+                                                device=dev)) if pend_out else logits,
                 torch.empty(m, d, dtype=torch.bfloat16, device=dev),
-            )
+            )  # fmt: skip
         new, post_out, comb_out, normed = out
-        if world == 1 and m in self.cute_tokens:
-            tensors = (x, streams, post, comb, fn, scale, base, norm, new, post_out, comb_out,
-                       normed, None)  # fmt: skip
+        if cute:
+            pend = (
+                comb if isinstance(comb, PendingComb) else PendingComb(comb, None),
+                comb_out if isinstance(comb_out, PendingComb) else PendingComb(comb_out, None),
+            )
+            tensors = (x, streams, post, pend[0].logits, fn, scale, base, norm, new, post_out,
+                       pend[1].logits, normed, None, pend[0].ready, pend[1].ready)  # fmt: skip
             if self._run_cute(mode, head, store, m, tensors):
                 return (streams if mode == GIVEN else new), post_out, comb_out, normed
+        if isinstance(comb, PendingComb):  # from a CuTe boundary before a fallback
+            comb = self.resolve_comb(comb)
+        if isinstance(comb_out, PendingComb):  # the CuTe kernel did not build: a comb
+            comb_out = comb_out.logits
         p = self.plans[m]
         dummy = normed  # never read where a pointer is unused (MODE / HEAD / STORE say so)
         args = [
@@ -287,7 +329,8 @@ class MhcBoundary:
         # fn, scale, base, norm: the site's dtypes (HEAD has no mix weights: FP32 slots)
         weights = tuple(str(t.dtype).removeprefix("torch.") if t is not None else "float32"
                         for t in tensors[4:8])  # fmt: skip
-        key = (mode, head, store, tb, weights)
+        pend_in, pend_out = tensors[13] is not None, tensors[14] is not None  # ready words
+        key = (mode, head, store, tb, weights, pend_in, pend_out)
         if key not in self._cute:
             if capturing():
                 raise RuntimeError(f"MhcBoundary: {m} tokens were not prepared; call "
@@ -298,14 +341,13 @@ class MhcBoundary:
                     cute_mhc.slot_dtypes(weights), mode=mode, head=head, store=store, tb=tb,
                     hidden=c.hidden, rms_eps=c.rms_eps, hc_eps=c.hc_eps, norm_eps=c.norm_eps,
                     post_mult=c.post_mult, sinkhorn_iters=c.sinkhorn_iters, pdl=self._pdl,
+                    pend_in=pend_in, pend_out=pend_out,
                 )  # fmt: skip
             except Exception as e:  # a DSL or toolchain failure: the Triton kernel serves
-                logger.warning("MhcBoundary: the CuTe DSL boundary did not build (%s: %s); "
-                               "the Triton kernel runs instead", type(e).__name__, e)  # fmt: skip
-                self.cute_tokens = frozenset()
+                self._no_cute(f"the CuTe DSL boundary did not build ({type(e).__name__}: {e})")
                 return False
         spare = {torch.float32: self._spare_f32, torch.bfloat16: self._spare_bf16,
-                 torch.int64: self._spare_i64}  # fmt: skip
+                 torch.int64: self._spare_i64, torch.int32: self._spare_i32}  # fmt: skip
         dtypes = cute_mhc.slot_dtypes(weights)
         args = [t if t is not None else spare[getattr(torch, dt)]
                 for t, dt in zip(tensors, dtypes, strict=True)]  # fmt: skip
@@ -371,10 +413,19 @@ class MhcBoundary:
             want("streams", streams, (m, h, d), bf16)
         else:
             want("x", x, (m, d), bf16)
+        groups = (-(-m // self.cute_tb(m)),) if self.supports(m) and m <= 128 else (0,)
+
+        def want_comb(name, t):  # a comb tensor or a PendingComb of this token count
+            if isinstance(t, PendingComb):
+                want(f"{name}.logits", t.logits, (m, h, h), f32)
+                want(f"{name}.ready", t.ready, groups, (torch.int32,))
+            else:
+                want(name, t, (m, h, h), f32)
+
         if mode == POST:
             want("streams", streams, (m, h, d), bf16)
             want("post", post, (m, h), f32)
-            want("comb", comb, (m, h, h), f32)
+            want_comb("comb", comb)
         self._check_weights(problems, None if head else (fn, scale, base), norm, device)
         if out is not None:
             shapes = [(m, h, d), (m, h), (m, h, h), (m, d)]
@@ -382,10 +433,16 @@ class MhcBoundary:
             needed = [not head and mode != GIVEN, not head, not head, True]
             for name, t, shape, dt, need in zip(("streams", "post", "comb", "normed"), out,
                                                 shapes, dtypes, needed, strict=True):  # fmt: skip
-                if need:
+                if need and name == "comb":
+                    want_comb("out.comb", t)
+                elif need:
                     want(f"out.{name}", t, shape, dt)
-            inputs = {t.data_ptr() for t in (x, streams, post, comb) if t is not None}
-            if any(t is not None and t.data_ptr() in inputs for t in out):
+
+            def flat(ts):
+                return [u for t in ts for u in (t if isinstance(t, PendingComb) else (t,))]
+
+            inputs = {t.data_ptr() for t in flat((x, streams, post, comb)) if t is not None}
+            if any(t is not None and t.data_ptr() in inputs for t in flat(out)):
                 problems.append("out: aliases an input (the kernel reads its inputs twice)")
         if problems:
             raise ValueError("MhcBoundary: " + "; ".join(problems))

@@ -32,6 +32,17 @@ which is the whole cost at decode sizes (the bytes allow ~0.4 µs):
   94cec64), 2.3 once the mix's scale and base were read before the PDL wait (a28cf20),
   1.8 on its own warp (69a657e).
 - The streams are stored as soon as they are computed, before any reduction.
+- Deferred comb (`pend_out` / `pend_in`): post and comb are read only by the *next*
+  boundary, so a producer may leave comb as its 16 mix logits (softmax input) and the next
+  boundary balances them before its own PDL wait, under the sublayer between: Sinkhorn (the
+  Sinkhorn warp's 1.8 µs, half the one-token boundary) leaves the critical path, and the
+  post / comb reads after the wait become shared-memory reads. A ready word per cluster
+  says the logits are written: the producer zeroes it after its PDL wait and before it
+  releases its dependents (so no consumer can see a stale word: a consumer starts only
+  after that release) and stores READY with release semantics once post and the logits
+  are out; the consumer's Sinkhorn warp polls it with acquire loads (a bounded wait: a
+  word never set traps, a launch error instead of a hang). No reliance on the kernels
+  between the two boundaries waiting before they release theirs.
 
 Measured (H200, benchmarks/boundary.py, 69a657e): 4.96 / 5.35 / 9.74 / 20.7 µs at 1 / 8 /
 16 / 64 tokens, the Triton kernel 13.4 / 26.7 / 42.4 / 43.9; rank 0's Sinkhorn warp 1.8 µs
@@ -57,7 +68,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T as _T
 from cutlass.cutlass_dsl import dsl_user_op
 
-from glm5_kernels.mhc.boundary import EXPAND, GIVEN  # where the streams come from (else POST)
+from glm5_kernels.mhc.boundary import EXPAND, GIVEN, POST  # where the streams come from
 
 H = 4  # residual streams (GLM-5.3-Flash)
 NMIX = (2 + H) * H  # mix logits: pre [H], post [H], comb [H, H]
@@ -74,6 +85,11 @@ SMEM_CARVEOUT = 25
 # summed, comb written (rank 0: stamped by the Sinkhorn warp's first thread; rank 1's
 # thread 0 after the post; the others pass straight on), and the CTA done (a barrier).
 PHASES = ("start", "waited", "partials", "exchanged", "totals", "post_comb", "end")
+# A deferred comb's ready word once its producer has stored post and the logits (a magic
+# value, not 1: whatever a fresh buffer held cannot pass for it), and the consumer's polls
+# (~0.1 µs apart) before it traps: about a second, far beyond any sublayer's time.
+READY = 0x6D484321
+POLLS = 1 << 23
 
 
 @dsl_user_op
@@ -124,6 +140,20 @@ def _bf16(x: Float32, *, loc=None, ip=None) -> Float32:
             has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
         )
     )  # fmt: skip
+
+
+@dsl_user_op
+def _nanosleep(ns: int, *, loc=None, ip=None) -> None:
+    """Back off about `ns` nanoseconds (a poll that does not flood the memory system)."""
+    llvm.inline_asm(None, [], f"nanosleep.u32 {ns};", "", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)  # fmt: skip
+
+
+@dsl_user_op
+def _trap(*, loc=None, ip=None) -> None:
+    """End the launch with an error (a wait that cannot end: better than a hung GPU)."""
+    llvm.inline_asm(None, [], "trap;", "", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT)  # fmt: skip
 
 
 @cute.jit
@@ -197,9 +227,15 @@ class CuteBoundary:
 
     def __init__(self, *, mode: int, head: bool, store: bool, tb: int, hidden: int,
                  rms_eps: float, hc_eps: float, norm_eps: float, post_mult: float,
-                 sinkhorn_iters: int, pdl: bool, phases: bool = False):  # fmt: skip
+                 sinkhorn_iters: int, pdl: bool, phases: bool = False,
+                 pend_in: bool = False, pend_out: bool = False):  # fmt: skip
         assert unfit(hidden) is None, unfit(hidden)
+        assert not pend_in or mode == POST, "only a post reads a comb"
+        assert not pend_out or not head, "the head leaves no comb"
         self.mode, self.head, self.store, self.tb = mode, head, store, tb
+        # pend_in: post / comb are a deferred comb's producer's (logits, balanced here before
+        # the wait); pend_out: this boundary leaves its comb as logits (module docstring).
+        self.pend_in, self.pend_out = pend_in, pend_out
         self.D, self.W = hidden, hidden // CLUSTER
         self.rms_eps, self.hc_eps, self.norm_eps = rms_eps, hc_eps, norm_eps
         self.post_mult, self.iters, self.pdl = post_mult, sinkhorn_iters, pdl
@@ -226,6 +262,8 @@ class CuteBoundary:
         pCombOut: cute.Pointer,  # (T, H, H) FP32 out
         pNormed: cute.Pointer,  # (T, D) BF16 out
         pPhases: cute.Pointer,  # (T, CLUSTER * 2 * len(PHASES)) Int64 out (phases): row = group
+        pReadyIn: cute.Pointer,  # (groups,) Int32: pPost / pComb's ready words (pend_in)
+        pReadyOut: cute.Pointer,  # (groups,) Int32 out: pPostOut / pCombOut's (pend_out)
         tokens: Int32,
         stream,
     ):
@@ -237,7 +275,8 @@ class CuteBoundary:
             cute.make_tensor(pFn, cute.make_layout((NMIX, H * D), stride=(H * D, 1))),
             flat(pScale, 3), flat(pBase, NMIX), flat(pNorm, D),
             row(pStreams, H * D), row(pPostOut, H), row(pCombOut, H * H), row(pNormed, D),
-            row(pPhases, CLUSTER * 2 * len(PHASES)), tokens,
+            row(pPhases, CLUSTER * 2 * len(PHASES)), flat(pReadyIn, cute.ceil_div(tokens, self.tb)),
+            flat(pReadyOut, cute.ceil_div(tokens, self.tb)), tokens,
         ).launch(
             grid=[CLUSTER, cute.ceil_div(tokens, self.tb), 1], block=[self.W, 1, 1],
             cluster=[CLUSTER, 1, 1], stream=stream, use_pdl=self.pdl,
@@ -249,7 +288,7 @@ class CuteBoundary:
                mComb: cute.Tensor, mFn: cute.Tensor, mScale: cute.Tensor, mBase: cute.Tensor,
                mNorm: cute.Tensor, mStreams: cute.Tensor, mPostOut: cute.Tensor,
                mCombOut: cute.Tensor, mNormed: cute.Tensor, mPhases: cute.Tensor,
-               tokens: Int32):  # fmt: skip
+               mReadyIn: cute.Tensor, mReadyOut: cute.Tensor, tokens: Int32):  # fmt: skip
         D, W, TB = self.D, self.W, self.tb
         tid, _, _ = cute.arch.thread_idx()
         _, group, _ = cute.arch.block_idx()
@@ -272,6 +311,8 @@ class CuteBoundary:
         sGain = smem.allocate_tensor(Float32, cute.make_layout(3 + NMIX), 16)
         # Rank 0's Sinkhorn warp's streams and norm weight, for warp 0 to normalize.
         sHand = smem.allocate_tensor(Float32, _rows((TB, H + 1, 32)), 16)
+        # A deferred comb's post and balanced comb, by token slot (pend_in).
+        sMix = smem.allocate_tensor(Float32, _rows((TB, H + H * H)), 16)
         mbar = smem.allocate_array(cutlass.Int64, 1)
 
         # Independent of the previous kernel: the weights, and the mbarrier that counts the
@@ -282,6 +323,10 @@ class CuteBoundary:
             cute.arch.mbarrier_init_fence()
             cute.arch.mbarrier_arrive_and_expect_tx(mbar, CLUSTER * TB * NPART * 4)
         cute.arch.cluster_arrive_relaxed()
+        # The previous boundary's comb, balanced meanwhile (compile-time, then run-time).
+        if const_expr(self.pend_in):  # noqa: SIM102
+            if warp == self.sink:
+                self._resolve(mPost, mComb, mReadyIn, sMix, group, t0, lane, tokens)
         rFn = cute.make_rmem_tensor(cute.make_layout((NMIX, H)), Float32)
         if const_expr(not self.head):
             for j in cutlass.range_constexpr(NMIX):
@@ -295,7 +340,14 @@ class CuteBoundary:
                 sGain[tid] = mBase[tid - 3].to(Float32)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
+        if const_expr(self.pend_out):  # noqa: SIM102 (not ready, before any consumer starts)
+            if (rank == 0) & (tid == 0):
+                cute.arch.store(mReadyOut.iterator + group, Int32(0), sem="relaxed", scope="gpu")
+                cute.arch.fence_acq_rel_gpu()
+        if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
+        if const_expr(self.pend_in):  # sMix, from the Sinkhorn warp
+            cute.arch.barrier()
         self._stamp(*at, 1)
 
         # Phase 1: the streams of this column, stored, and their partial sums.
@@ -305,7 +357,7 @@ class CuteBoundary:
             for h in cutlass.range_constexpr(H):
                 rS[i, h] = Float32(0.0)
             if t < tokens:
-                self._streams(rS, i, t, col, mX, mRes, mPost, mComb)
+                self._streams(rS, i, t, col, mX, mRes, mPost, mComb, sMix)
                 if const_expr(self.store):
                     for h in cutlass.range_constexpr(H):
                         mStreams[t, h * D + col] = rS[i, h].to(BFloat16)
@@ -361,7 +413,18 @@ class CuteBoundary:
         # Phase 2: Sinkhorn (rank 0's last warp, one lane a token) and post (rank 1's warp
         # 0), the collapse and norm (every column; rank 0's warp 0 also the Sinkhorn warp's).
         sinking = (rank == 0) & (warp == self.sink)
-        if const_expr(not self.head):
+        if const_expr(self.pend_out):  # post and the logits, then the ready word
+            if sinking:
+                if lane < TB:
+                    t = t0 + lane
+                    if t < tokens:
+                        self._pend(sTot, lane, t, sGain, mPostOut, mCombOut)
+                cute.arch.fence_acq_rel_gpu()
+                cute.arch.sync_warp()
+                if lane == 0:
+                    cute.arch.store(mReadyOut.iterator + group, Int32(READY), sem="release",
+                                    scope="gpu")  # fmt: skip
+        elif const_expr(not self.head):
             if sinking & (lane < TB):
                 t = t0 + lane
                 if t < tokens:
@@ -393,8 +456,9 @@ class CuteBoundary:
         if const_expr(self.phases):
             _stamp(mPhases, group, rank, tid, point, Int32(0) if who is None else who)
 
-    def _streams(self, rS, i, t, col, mX, mRes, mPost, mComb):
-        """rS[i, :] = the streams of token t at column col (FP32 holding BF16 values)."""
+    def _streams(self, rS, i, t, col, mX, mRes, mPost, mComb, sMix):
+        """rS[i, :] = the streams of token t (slot i) at column col (FP32 holding BF16
+        values); post and comb from sMix where they were deferred."""
         D = self.D
         if const_expr(self.mode == GIVEN):
             for h in range(H):
@@ -412,11 +476,17 @@ class CuteBoundary:
             # the whole value.
             x = mX[t, col].to(Float32)
             r = [mRes[t, j * D + col].to(Float32) for j in range(H)]
+            if const_expr(self.pend_in):
+                post = [sMix[i, h] for h in range(H)]
+                comb = [sMix[i, H + k] for k in range(H * H)]
+            else:
+                post = [mPost[t, h] for h in range(H)]
+                comb = [mComb[t, k] for k in range(H * H)]
             for h in range(H):
-                placed = _bf16(_bf16(mPost[t, h]) * x)
-                mixed = _bf16(mComb[t, h]) * r[0]
+                placed = _bf16(_bf16(post[h]) * x)
+                mixed = _bf16(comb[h]) * r[0]
                 for j in range(1, H):
-                    mixed = cute.math.fma(_bf16(mComb[t, j * H + h]), r[j], mixed)
+                    mixed = cute.math.fma(_bf16(comb[j * H + h]), r[j], mixed)
                 rS[i, h] = _bf16(placed + _bf16(mixed))
 
     def _gram(self, tot, i):
@@ -466,35 +536,76 @@ class CuteBoundary:
             z = tot[i, H + h] * r * gain[1] + gain[3 + H + h]
             mPostOut[t, h] = self.post_mult * _sigmoid(z)
 
-    def _comb(self, tot, i, t, gain, mCombOut):
-        """comb = Sinkhorn(softmax_rows(m * gain + b) + eps) [H, H] of token t, as the
-        reference iterates it (columns first), the 4 x 4 matrix in registers."""
+    def _logits(self, tot, i, gain):
+        """comb's mix logits [H * H] of token slot i (the softmax input: m * gain + b)."""
         _, r = self._gram(tot, i)
         s2 = gain[2]
+        return [tot[i, 2 * H + k] * r * s2 + gain[3 + 2 * H + k] for k in range(H * H)]
+
+    def _balance(self, z):
+        """Sinkhorn(softmax_rows(z) + eps) [H, H] in registers, as the reference iterates it
+        (columns first)."""
         eps = Float32(self.hc_eps)
         rC = cute.make_rmem_tensor(cute.make_layout((H, H), stride=(H, 1)), Float32)
         for a in range(H):  # softmax over each row, + eps
-            z = [tot[i, 2 * H + a * H + b] * r * s2 + gain[3 + 2 * H + a * H + b]
-                 for b in range(H)]  # fmt: skip
-            top = cute.arch.fmax(cute.arch.fmax(z[0], z[1]), cute.arch.fmax(z[2], z[3]))
-            e = [cute.math.exp(z[b] - top) for b in range(H)]
+            za = z[a * H : a * H + H]
+            top = cute.arch.fmax(cute.arch.fmax(za[0], za[1]), cute.arch.fmax(za[2], za[3]))
+            e = [cute.math.exp(za[b] - top) for b in range(H)]
             inv = cute.arch.rcp_approx(e[0] + e[1] + e[2] + e[3])
             for b in range(H):
                 rC[a, b] = e[b] * inv + eps
         _sinkhorn(rC, eps, self.iters)
+        return rC
+
+    def _comb(self, tot, i, t, gain, mCombOut):
+        """comb [H, H] of token t from token slot i's totals, balanced here."""
+        rC = self._balance(self._logits(tot, i, gain))
         for a in range(H):
             for b in range(H):
                 mCombOut[t, a * H + b] = rC[a, b]
+
+    def _pend(self, tot, i, t, gain, mPostOut, mCombOut):
+        """post [H] and comb's logits [H * H] of token t, for the next boundary to balance."""
+        self._post(tot, i, t, gain, mPostOut)
+        z = self._logits(tot, i, gain)
+        for k in range(H * H):
+            mCombOut[t, k] = z[k]
+
+    @cute.jit
+    def _resolve(self, mPost: cute.Tensor, mComb: cute.Tensor, mReadyIn: cute.Tensor,
+                 sMix: cute.Tensor, group: Int32, t0: Int32, lane: Int32,
+                 tokens: Int32):  # fmt: skip
+        """A deferred comb's producer's post and logits, once its ready word says so, into
+        sMix [TB, H + H * H] (post, then comb balanced here): lane i of the Sinkhorn warp
+        for token slot i. Before the PDL wait: none of it depends on the previous kernel."""
+        if lane < self.tb:
+            t = t0 + lane
+            if t < tokens:
+                word = mReadyIn.iterator + group
+                ready = cute.arch.load(word, Int32, sem="acquire", scope="gpu")
+                polls = Int32(0)
+                while ready != READY:
+                    polls += 1
+                    if polls > POLLS:
+                        _trap()
+                    _nanosleep(64)
+                    ready = cute.arch.load(word, Int32, sem="acquire", scope="gpu")
+                for h in cutlass.range_constexpr(H):
+                    sMix[lane, h] = mPost[t, h]
+                rC = self._balance([mComb[t, k] for k in range(H * H)])
+                for a in cutlass.range_constexpr(H):
+                    for b in cutlass.range_constexpr(H):
+                        sMix[lane, H + a * H + b] = rC[a, b]
 
 
 # Host side: one compiled kernel per static configuration, launched on raw pointers (no
 # per-call tensor conversion: a pointer is all the kernel's layouts need).
 
-_DTYPES = {"bfloat16": BFloat16, "float32": Float32, "int64": Int64}
+_DTYPES = {"bfloat16": BFloat16, "float32": Float32, "int32": Int32, "int64": Int64}
 # The pointers' element types in argument order; fn, scale, base and norm follow the site's
 # weights (FP32 or BF16), an unused pointer keeps its slot's type.
 _SLOTS = ("bfloat16", "bfloat16", "float32", "float32", None, None, None, None,
-          "bfloat16", "float32", "float32", "bfloat16", "int64")  # fmt: skip
+          "bfloat16", "float32", "float32", "bfloat16", "int64", "int32", "int32")  # fmt: skip
 
 
 def _pointer(dtype: str, address: int):
@@ -504,7 +615,7 @@ def _pointer(dtype: str, address: int):
 
 
 def slot_dtypes(weights: tuple[str, str, str, str]) -> tuple[str, ...]:
-    """The 13 pointers' dtypes for a site whose (fn, scale, base, norm) have `weights`."""
+    """The 15 pointers' dtypes for a site whose (fn, scale, base, norm) have `weights`."""
     it = iter(weights)
     return tuple(s if s is not None else next(it) for s in _SLOTS)
 
@@ -520,6 +631,8 @@ def compile_boundary(dtypes: tuple[str, ...], **static):
     (compiled once a process)."""
     import cuda.bindings.driver as cuda  # noqa: F401  (the stream type the kernel takes)
 
+    # The builds' options at their defaults, spelled out: one key per kernel.
+    static = {"phases": False, "pend_in": False, "pend_out": False, **static}
     key = (tuple(dtypes), tuple(sorted(static.items())))
     if key not in _COMPILED:
         kernel = CuteBoundary(**static)
@@ -529,7 +642,7 @@ def compile_boundary(dtypes: tuple[str, ...], **static):
 
 
 def launch(compiled, tensors, tokens: int, stream: int) -> None:
-    """Run `compiled` on the 13 tensors (contiguous, of their slots' dtypes) for `tokens`."""
+    """Run `compiled` on the 15 tensors (contiguous, of their slots' dtypes) for `tokens`."""
     import cuda.bindings.driver as cuda
 
     ptrs = [_pointer(str(t.dtype).removeprefix("torch."), t.data_ptr()) for t in tensors]
