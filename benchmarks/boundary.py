@@ -125,8 +125,10 @@ def main() -> None:
         torch.cuda.synchronize()
         return
     if args.phases:
-        found = [phases(int(m), [inputs(int(m), gen)[:8] for _ in range(COPIES)])
-                 for m in args.tokens.split(",")]  # fmt: skip
+        found = [phases(int(m), [inputs(int(m), gen) for _ in range(COPIES)], deferred)
+                 for m in args.tokens.split(",")
+                 for deferred in ([False] if paths != ["cute_deferred"] else []) +
+                 ([True] if "cute_deferred" in paths else [])]  # fmt: skip
         write_result(args.out, provenance("boundary", args) | {"phases": found})
         return
     rows, sweep, start = [], [], time.perf_counter()
@@ -195,9 +197,11 @@ def _sweep(path: str, op: MhcBoundary, m: int, ours) -> list[dict]:
     return out
 
 
-def phases(m: int, sets) -> dict:
+def phases(m: int, sets, deferred: bool = False) -> dict:
     """The timestamped CuTe boundary's chain over `sets` (one call each) at m tokens: the
-    median over calls 2.. of each interval (module docstring), in µs."""
+    median over calls 2.. of each interval (module docstring), in µs. `deferred`: every call
+    takes the previous one's comb pending and leaves its own so (the first takes its set's
+    logits, ready)."""
     from glm5_kernels.mhc import cute_mhc
 
     c, tb = CONFIG, MhcBoundary.cute_tb(m)
@@ -205,7 +209,7 @@ def phases(m: int, sets) -> dict:
         cute_mhc.slot_dtypes(("float32", "float32", "float32", "bfloat16")), mode=POST,
         head=False, store=True, tb=tb, hidden=D, rms_eps=c.rms_eps, hc_eps=c.hc_eps,
         norm_eps=c.norm_eps, post_mult=c.post_mult, sinkhorn_iters=c.sinkhorn_iters, pdl=True,
-        phases=True,
+        phases=True, pend_in=deferred, pend_out=deferred,
     )  # fmt: skip
     n, groups = len(cute_mhc.PHASES), -(-m // tb)
     stamps = torch.zeros(len(sets), m, cute_mhc.CLUSTER * 2 * n, dtype=torch.int64,
@@ -213,13 +217,17 @@ def phases(m: int, sets) -> dict:
     outs = [(torch.empty(m, H, D, dtype=torch.bfloat16, device="cuda"),
              torch.empty(m, H, device="cuda"), torch.empty(m, H, H, device="cuda"),
              torch.empty(m, D, dtype=torch.bfloat16, device="cuda")) for _ in sets]  # fmt: skip
-
-    unready = torch.zeros(1, dtype=torch.int32, device="cuda")  # no deferred comb here
+    # Each call's ready words (in: the previous call's out; the first's, ready already).
+    ready = torch.zeros(len(sets) + 1, groups, dtype=torch.int32, device="cuda")
+    ready[0] = READY
 
     def chain():
         stream = torch.cuda.current_stream().cuda_stream
-        for s, out, st in zip(sets, outs, stamps, strict=True):
-            cute_mhc.launch(kernel, [*s, *out, st, unready, unready], m, stream)
+        for k, (s, out, st) in enumerate(zip(sets, outs, stamps, strict=True)):
+            given = list(s[:8])
+            if deferred:  # post and comb (logits) from the call before
+                given[2:4] = (outs[k - 1][1], outs[k - 1][2]) if k else (s[2], s[8])
+            cute_mhc.launch(kernel, [*given, *out, st, ready[k], ready[k + 1]], m, stream)
 
     chain()
     torch.cuda.synchronize()
@@ -239,13 +247,14 @@ def phases(m: int, sets) -> dict:
     med = lambda x: statistics.median(x[1:].flatten().tolist())  # noqa: E731 (call 1 is cold)
     steps = [f"{a}->{b}" for a, b in itertools.pairwise(cute_mhc.PHASES)]
     found = {
-        "tokens": m, "tb": tb, "sm_ghz": ghz.item(),
+        "tokens": m, "tb": tb, "deferred": deferred, "sm_ghz": ghz.item(),
         "period_us": med(end.diff() / 1e3),
         "release_us": med((waited[1:] - end[:-1]) / 1e3),
         "rank0_us": {step: med(rank0[..., i]) for i, step in enumerate(steps)},
         "others_us": {step: med(others[..., i]) for i, step in enumerate(steps)},
     }  # fmt: skip
-    print(f"T={m:2d} phases (µs, median over the chain): period {found['period_us']:.2f}, "
+    print(f"T={m:2d}{' deferred' if deferred else ''} phases (µs, median over the chain): "
+          f"period {found['period_us']:.2f}, "
           f"release {found['release_us']:.2f}; rank 0 {found['rank0_us']}; "
           f"others {found['others_us']}")  # fmt: skip
     return found

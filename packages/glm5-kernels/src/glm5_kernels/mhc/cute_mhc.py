@@ -40,9 +40,9 @@ which is the whole cost at decode sizes (the bytes allow ~0.4 µs):
   says the logits are written: the producer zeroes it after its PDL wait and before it
   releases its dependents (so no consumer can see a stale word: a consumer starts only
   after that release) and stores READY with release semantics once post and the logits
-  are out; the consumer's Sinkhorn warp polls it with acquire loads (a bounded wait: a
-  word never set traps, a launch error instead of a hang). No reliance on the kernels
-  between the two boundaries waiting before they release theirs.
+  are out; the consumer's Sinkhorn warp polls it with acquire loads (bounded: a word
+  never set traps after seconds, a launch error instead of a hang). No reliance on the
+  kernels between the two boundaries waiting before they release theirs.
 
 Measured (H200, benchmarks/boundary.py, 69a657e): 4.96 / 5.35 / 9.74 / 20.7 µs at 1 / 8 /
 16 / 64 tokens, the Triton kernel 13.4 / 26.7 / 42.4 / 43.9; rank 0's Sinkhorn warp 1.8 µs
@@ -87,7 +87,8 @@ SMEM_CARVEOUT = 25
 PHASES = ("start", "waited", "partials", "exchanged", "totals", "post_comb", "end")
 # A deferred comb's ready word once its producer has stored post and the logits (a magic
 # value, not 1: whatever a fresh buffer held cannot pass for it), and the consumer's polls
-# (~0.1 µs apart) before it traps: about a second, far beyond any sublayer's time.
+# (an L2 round trip and a 64 ns back-off each) before it traps: seconds, far beyond any
+# sublayer's time.
 READY = 0x6D484321
 POLLS = 1 << 23
 
