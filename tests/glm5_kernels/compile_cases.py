@@ -21,6 +21,28 @@ INTS = {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_om", "K_TILES", "
 COMMON = {"INTERPRETER": False, "PDL": True, "PREFETCH": 4}
 
 
+# Kernels that read nothing before their PDL wait but L2 prefetches of their weights (the
+# others read their own weights there: fn / norm / conv / value-up weights, an expert id
+# two launches old). Every kernel: no pipelined (cp.async) load before the wait.
+NOTHING_BEFORE_WAIT = frozenset({
+    "bf16_gemm_kernel", "fp8_gemm_kernel", "quantize_tokens_kernel", "gate_up_kernel",
+    "route_kernel", "router_route_kernel", "embed_kernel", "indexer_topk_kernel",
+    "sparse_mla_split_kernel",
+})  # fmt: skip
+
+
+def _before_wait(ptx: str, name: str) -> None:
+    """The PDL pitfall of a loop pipeliner hoisting the first iterations' loads above the
+    wait (stale reads of the previous kernel's output): none in program order before it."""
+    at = ptx.find("griddepcontrol.wait")
+    if at < 0:
+        return
+    before = ptx[:at]
+    assert "cp.async" not in before, f"{name}: a pipelined load before the PDL wait"
+    if name in NOTHING_BEFORE_WAIT:
+        assert "ld.global" not in before, f"{name}: a global load before the PDL wait"
+
+
 def _compile(kernel, types: dict, constexprs: dict, arch: int, **options) -> str:
     names = kernel.arg_names
     signature = {n: ("constexpr" if n in constexprs else types[n]) for n in names}
@@ -30,7 +52,9 @@ def _compile(kernel, types: dict, constexprs: dict, arch: int, **options) -> str
         if n not in constexprs and (n in ALIGNED or types.get(n, "").startswith("*"))
     }
     src = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options).asm["ptx"]
+    ptx = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options).asm["ptx"]
+    _before_wait(ptx, kernel.fn.__name__)
+    return ptx
 
 
 def bf16_cases(arch: int) -> int:

@@ -1,7 +1,10 @@
 """The skinny-GEMM, MoE, mHC boundary, KDA decode and sparse MLA Triton kernels compile for
 SM90 (Hopper) and SM100 (Blackwell) on this CPU with the launch options the ops use
 (compile_cases.py): catches a kernel only the interpreter accepts, and on SM90 checks the PTX
-has wgmma, pipelined cp.async weight loads and PDL.
+has wgmma, pipelined cp.async weight loads and PDL; on both, that no kernel issues a
+pipelined load before its PDL wait, and none designed to read nothing there (only L2
+prefetches of its weights) has a global load before it (the pitfall of loads hoisted above
+the wait: stale reads of the previous kernel's output).
 Under TRITON_INTERPRET=1 kernels cannot compile, so the cases run in a child without it."""
 
 import os
