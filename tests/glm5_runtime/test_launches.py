@@ -26,6 +26,7 @@ from glm5_runtime.bench import _fill_caches, _forward, _step, _token_ids
 from glm5_runtime.decode import SpecializedDecode
 from glm5_runtime.kernel_table import STAGE, owners
 from glm5_runtime.reference.backbone import ReferenceBackbone
+from glm5_runtime.reference.config import geometry
 
 interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU needs TRITON_INTERPRET=1"
@@ -136,3 +137,16 @@ def test_a_planned_step_launches_only_its_stages_kernels(moe, monkeypatch):
     assert by_owner == want, sorted(launches.items())
     library = {k: n for k, n in launches.items() if k[1].startswith("torch ")}
     assert not library, library  # every launch a Triton kernel of a stage
+
+
+@pytest.mark.parametrize("name", ["flash-tp4-rank", "flash-tp8-rank"])
+def test_the_models_one_token_step_is_within_450_launches(name):
+    """At GLM-5.3-Flash's 45 layers (34 KDA, 11 MLA with full indexers; 3 dense MLPs, 42
+    MoE), every stage on with the MoE in three launches: `per_layer` — which the census
+    above checks against a planned step's real launches, layer kind by layer kind — comes
+    to 443 launches a 1-token step, within the 450 a step may take (the H100's TP-8 kernel
+    table, e0c54a8, counted 477 with the KDA gates' up-projections as one launch beside the
+    core: 443 + 34); the MoE in four launches, 485."""
+    g = geometry(name)
+    assert sum(per_layer(g, 3).values()) == 443
+    assert sum(per_layer(g, 4).values()) == 485
