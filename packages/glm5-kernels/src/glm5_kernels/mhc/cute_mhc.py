@@ -324,10 +324,6 @@ class CuteBoundary:
             cute.arch.mbarrier_init_fence()
             cute.arch.mbarrier_arrive_and_expect_tx(mbar, CLUSTER * TB * NPART * 4)
         cute.arch.cluster_arrive_relaxed()
-        # The previous boundary's comb, balanced meanwhile (compile-time, then run-time).
-        if const_expr(self.pend_in):  # noqa: SIM102
-            if warp == self.sink:
-                self._resolve(mPost, mComb, mReadyIn, sMix, group, t0, lane, tokens)
         rFn = cute.make_rmem_tensor(cute.make_layout((NMIX, H)), Float32)
         if const_expr(not self.head):
             for j in cutlass.range_constexpr(NMIX):
@@ -339,6 +335,11 @@ class CuteBoundary:
                 sGain[tid] = mScale[tid].to(Float32)
             elif tid < 3 + NMIX:
                 sGain[tid] = mBase[tid - 3].to(Float32)
+        # The previous boundary's comb, balanced meanwhile, its warp's fn loads in flight
+        # (compile-time, then run-time).
+        if const_expr(self.pend_in):  # noqa: SIM102
+            if warp == self.sink:
+                self._resolve(mPost, mComb, mReadyIn, sMix, group, t0, lane, tokens)
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_wait()
         if const_expr(self.pend_out):  # noqa: SIM102 (not ready, before any consumer starts)
@@ -347,18 +348,31 @@ class CuteBoundary:
                 cute.arch.fence_acq_rel_gpu()
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
+        # Phase 1: the streams of this column, stored, and their partial sums. The first
+        # tokens' inputs are requested first: where comb comes deferred, they are in flight
+        # while the Sinkhorn warp finishes (the barrier that publishes sMix). Up to two
+        # tokens a cluster: at four, beside fn's 96 registers, the four tokens' inputs
+        # spilled 252 bytes and the first token's alone 100 (ptxas -v, SM90).
+        early = TB if TB <= 2 else 0
+        rIn = cute.make_rmem_tensor(cute.make_layout((TB, 1 + H)), Float32)
+        for i in cutlass.range_constexpr(early):
+            for k in cutlass.range_constexpr(1 + H):
+                rIn[i, k] = Float32(0.0)
+            if t0 + i < tokens:
+                self._inputs(rIn, i, t0 + i, col, mX, mRes)
         if const_expr(self.pend_in):  # sMix, from the Sinkhorn warp
             cute.arch.barrier()
         self._stamp(*at, 1)
 
-        # Phase 1: the streams of this column, stored, and their partial sums.
         rS = cute.make_rmem_tensor(cute.make_layout((TB, H)), Float32)
         for i in cutlass.range_constexpr(TB):
             t = t0 + i
             for h in cutlass.range_constexpr(H):
                 rS[i, h] = Float32(0.0)
             if t < tokens:
-                self._streams(rS, i, t, col, mX, mRes, mPost, mComb, sMix)
+                if const_expr(i >= early):
+                    self._inputs(rIn, i, t, col, mX, mRes)
+                self._streams(rS, rIn, i, t, mPost, mComb, sMix)
                 if const_expr(self.store):
                     for h in cutlass.range_constexpr(H):
                         mStreams[t, h * D + col] = rS[i, h].to(BFloat16)
@@ -457,17 +471,25 @@ class CuteBoundary:
         if const_expr(self.phases):
             _stamp(mPhases, group, rank, tid, point, Int32(0) if who is None else who)
 
-    def _streams(self, rS, i, t, col, mX, mRes, mPost, mComb, sMix):
-        """rS[i, :] = the streams of token t (slot i) at column col (FP32 holding BF16
-        values); post and comb from sMix where they were deferred."""
+    def _inputs(self, rIn, i, t, col, mX, mRes):
+        """rIn[i, :] = token t's inputs at column col (FP32 holding BF16 values): x (the
+        sublayer output or the embedding) and the streams before, as the mode reads them."""
         D = self.D
+        if const_expr(self.mode != GIVEN):
+            rIn[i, 0] = mX[t, col].to(Float32)
+        if const_expr(self.mode != EXPAND):
+            for h in range(H):
+                rIn[i, 1 + h] = mRes[t, h * D + col].to(Float32)
+
+    def _streams(self, rS, rIn, i, t, mPost, mComb, sMix):
+        """rS[i, :] = the streams of token t (slot i) at this column from its inputs rIn[i]
+        (FP32 holding BF16 values); post and comb from sMix where they were deferred."""
         if const_expr(self.mode == GIVEN):
             for h in range(H):
-                rS[i, h] = mRes[t, h * D + col].to(Float32)
+                rS[i, h] = rIn[i, 1 + h]
         elif const_expr(self.mode == EXPAND):
-            x = mX[t, col].to(Float32)
             for h in range(H):
-                rS[i, h] = x
+                rS[i, h] = rIn[i, 0]
         else:
             # transformers' order in the model dtype: post * y, comb^T @ streams (FP32
             # accumulation in source order, one rounding), then their sum. The sum is a
@@ -475,8 +497,8 @@ class CuteBoundary:
             # product then the add) that no compiler may reassociate: a reordered sum lands
             # a value on the neighbouring BF16, and where post * y cancels the sum, that is
             # the whole value.
-            x = mX[t, col].to(Float32)
-            r = [mRes[t, j * D + col].to(Float32) for j in range(H)]
+            x = rIn[i, 0]
+            r = [rIn[i, 1 + j] for j in range(H)]
             if const_expr(self.pend_in):
                 post = [sMix[i, h] for h in range(H)]
                 comb = [sMix[i, H + k] for k in range(H * H)]
