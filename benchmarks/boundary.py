@@ -17,7 +17,9 @@ token count. `--phases` replays the same chain of CuTe boundaries built with tim
 at each point) and reports, as medians over the chain's boundaries, where one boundary's
 time goes: from the previous boundary's last CTA done to this one's PDL wait returning
 (`release`), then each phase of the kernel in its CTAs' cycles (rank 0, which runs Sinkhorn,
-apart from the others), and the chain's period. `--sinkhorn-iters N` builds every boundary
+apart from the others), and the chain's period; with `--paths cute_deferred`, the deferred
+build twice: each call's comb the previous call's (chained) and each call's its own, ready
+before the chain (as a step's). `--sinkhorn-iters N` builds every boundary
 (and the stock) with N Sinkhorn iterations instead of the model's 20: an experiment that
 prices one iteration on the critical path (timed with N = 1 and 20, say).
 
@@ -125,10 +127,10 @@ def main() -> None:
         torch.cuda.synchronize()
         return
     if args.phases:
-        found = [phases(int(m), [inputs(int(m), gen) for _ in range(COPIES)], deferred)
-                 for m in args.tokens.split(",")
-                 for deferred in ([False] if paths != ["cute_deferred"] else []) +
-                 ([True] if "cute_deferred" in paths else [])]  # fmt: skip
+        kinds = ([(False, False)] if paths != ["cute_deferred"] else []) + (
+            [(True, True), (True, False)] if "cute_deferred" in paths else [])  # fmt: skip
+        found = [phases(int(m), [inputs(int(m), gen) for _ in range(COPIES)], *kind)
+                 for m in args.tokens.split(",") for kind in kinds]  # fmt: skip
         write_result(args.out, provenance("boundary", args) | {"phases": found})
         return
     rows, sweep, start = [], [], time.perf_counter()
@@ -197,11 +199,12 @@ def _sweep(path: str, op: MhcBoundary, m: int, ours) -> list[dict]:
     return out
 
 
-def phases(m: int, sets, deferred: bool = False) -> dict:
+def phases(m: int, sets, deferred: bool = False, chained: bool = False) -> dict:
     """The timestamped CuTe boundary's chain over `sets` (one call each) at m tokens: the
     median over calls 2.. of each interval (module docstring), in µs. `deferred`: every call
-    takes the previous one's comb pending and leaves its own so (the first takes its set's
-    logits, ready)."""
+    takes a pending comb and leaves its own so — `chained`, the previous call's (set at its
+    very end: no sublayer between), else its set's logits, ready before the chain starts (as
+    a step's comb is, a sublayer after its boundary)."""
     from glm5_kernels.mhc import cute_mhc
 
     c, tb = CONFIG, MhcBoundary.cute_tb(m)
@@ -220,14 +223,17 @@ def phases(m: int, sets, deferred: bool = False) -> dict:
     # Each call's ready words (in: the previous call's out; the first's, ready already).
     ready = torch.zeros(len(sets) + 1, groups, dtype=torch.int32, device="cuda")
     ready[0] = READY
+    given_ready = torch.full((groups,), READY, dtype=torch.int32, device="cuda")
 
     def chain():
         stream = torch.cuda.current_stream().cuda_stream
         for k, (s, out, st) in enumerate(zip(sets, outs, stamps, strict=True)):
-            given = list(s[:8])
-            if deferred:  # post and comb (logits) from the call before
-                given[2:4] = (outs[k - 1][1], outs[k - 1][2]) if k else (s[2], s[8])
-            cute_mhc.launch(kernel, [*given, *out, st, ready[k], ready[k + 1]], m, stream)
+            given, before = list(s[:8]), ready[k]
+            if deferred and chained and k:  # post and comb (logits) of the call before
+                given[2:4] = outs[k - 1][1], outs[k - 1][2]
+            elif deferred:  # its set's logits, ready
+                given[3], before = s[8], given_ready
+            cute_mhc.launch(kernel, [*given, *out, st, before, ready[k + 1]], m, stream)
 
     chain()
     torch.cuda.synchronize()
@@ -247,13 +253,14 @@ def phases(m: int, sets, deferred: bool = False) -> dict:
     med = lambda x: statistics.median(x[1:].flatten().tolist())  # noqa: E731 (call 1 is cold)
     steps = [f"{a}->{b}" for a, b in itertools.pairwise(cute_mhc.PHASES)]
     found = {
-        "tokens": m, "tb": tb, "deferred": deferred, "sm_ghz": ghz.item(),
+        "tokens": m, "tb": tb, "deferred": deferred, "chained": chained, "sm_ghz": ghz.item(),
         "period_us": med(end.diff() / 1e3),
         "release_us": med((waited[1:] - end[:-1]) / 1e3),
         "rank0_us": {step: med(rank0[..., i]) for i, step in enumerate(steps)},
         "others_us": {step: med(others[..., i]) for i, step in enumerate(steps)},
     }  # fmt: skip
-    print(f"T={m:2d}{' deferred' if deferred else ''} phases (µs, median over the chain): "
+    kind = (" deferred, chained" if chained else " deferred") if deferred else ""
+    print(f"T={m:2d}{kind} phases (µs, median over the chain): "
           f"period {found['period_us']:.2f}, "
           f"release {found['release_us']:.2f}; rank 0 {found['rank0_us']}; "
           f"others {found['others_us']}")  # fmt: skip
