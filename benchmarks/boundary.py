@@ -68,7 +68,7 @@ def inputs(m: int, gen):
 def deferred(s):
     """A set's inputs with comb as the pending logits of a boundary done before."""
     x, streams, post, _, fn, scale, base, norm, logits = s
-    ready = torch.full((-(-len(x) // MhcBoundary.cute_tb(len(x))),), READY, dtype=torch.int32,
+    ready = torch.full((MhcBoundary.cute_groups(len(x)),), READY, dtype=torch.int32,
                        device="cuda")  # fmt: skip
     return x, streams, post, PendingComb(logits, ready), fn, scale, base, norm
 
@@ -214,7 +214,7 @@ def phases(m: int, sets, deferred: bool = False, chained: bool = False) -> dict:
         norm_eps=c.norm_eps, post_mult=c.post_mult, sinkhorn_iters=c.sinkhorn_iters, pdl=True,
         phases=True, pend_in=deferred, pend_out=deferred,
     )  # fmt: skip
-    n, groups = len(cute_mhc.PHASES), -(-m // tb)
+    n, groups = len(cute_mhc.PHASES), MhcBoundary.cute_groups(m)
     stamps = torch.zeros(len(sets), m, cute_mhc.CLUSTER * 2 * n, dtype=torch.int64,
                          device="cuda")  # fmt: skip
     outs = [(torch.empty(m, H, D, dtype=torch.bfloat16, device="cuda"),

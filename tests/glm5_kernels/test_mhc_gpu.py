@@ -72,8 +72,7 @@ def _poisoned(c, m, kind, head=False):
         return out
     from glm5_kernels.mhc.cute_mhc import READY
 
-    ready = torch.full((-(-m // MhcBoundary.cute_tb(m)),), READY, dtype=torch.int32,
-                       device="cuda")  # fmt: skip
+    ready = torch.full((MhcBoundary.cute_groups(m),), READY, dtype=torch.int32, device="cuda")
     return out[0], out[1], PendingComb(out[2], ready), out[3]
 
 

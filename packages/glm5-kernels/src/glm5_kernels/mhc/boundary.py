@@ -88,6 +88,11 @@ class PendingComb(NamedTuple):
     ready: Tensor
 
 
+def _split(comb) -> tuple:
+    """(comb or its logits, the ready words or None): what the CuTe kernel's slots take."""
+    return tuple(comb) if isinstance(comb, PendingComb) else (comb, None)
+
+
 @dataclass(frozen=True)
 class _Plan:
     bd: int  # hidden columns per CTA (all four streams)
@@ -185,6 +190,11 @@ class MhcBoundary:
         CTAs an SM, cute_mhc.SMEM_CARVEOUT's comment), so 16 clusters of 16 fit at once."""
         return next(tb for tb in (1, 2, 4, 8) if -(-m // tb) <= 16)
 
+    @classmethod
+    def cute_groups(cls, m: int) -> int:
+        """The CuTe kernel's clusters at m tokens: a `PendingComb`'s ready words."""
+        return -(-m // cls.cute_tb(m))
+
     def supports(self, m: int) -> bool:
         return 1 <= m <= self.max_tokens
 
@@ -265,18 +275,15 @@ class MhcBoundary:
             out = (
                 torch.empty(m, h, d, dtype=torch.bfloat16, device=dev) if store else None,
                 None if head else torch.empty(m, h, dtype=torch.float32, device=dev),
-                PendingComb(logits, torch.empty(-(-m // self.cute_tb(m)), dtype=torch.int32,
+                PendingComb(logits, torch.empty(self.cute_groups(m), dtype=torch.int32,
                                                 device=dev)) if pend_out else logits,
                 torch.empty(m, d, dtype=torch.bfloat16, device=dev),
             )  # fmt: skip
         new, post_out, comb_out, normed = out
         if cute:
-            pend = (
-                comb if isinstance(comb, PendingComb) else PendingComb(comb, None),
-                comb_out if isinstance(comb_out, PendingComb) else PendingComb(comb_out, None),
-            )
-            tensors = (x, streams, post, pend[0].logits, fn, scale, base, norm, new, post_out,
-                       pend[1].logits, normed, None, pend[0].ready, pend[1].ready)  # fmt: skip
+            (comb_in, ready_in), (logits_out, ready_out) = _split(comb), _split(comb_out)
+            tensors = (x, streams, post, comb_in, fn, scale, base, norm, new, post_out,
+                       logits_out, normed, None, ready_in, ready_out)  # fmt: skip
             if self._run_cute(mode, head, store, m, tensors):
                 return (streams if mode == GIVEN else new), post_out, comb_out, normed
         if isinstance(comb, PendingComb):  # from a CuTe boundary before a fallback
@@ -413,7 +420,7 @@ class MhcBoundary:
             want("streams", streams, (m, h, d), bf16)
         else:
             want("x", x, (m, d), bf16)
-        groups = (-(-m // self.cute_tb(m)),) if self.supports(m) and m <= 128 else (0,)
+        groups = (self.cute_groups(m),) if self.supports(m) and m <= 128 else (0,)
 
         def want_comb(name, t):  # a comb tensor or a PendingComb of this token count
             if isinstance(t, PendingComb):
