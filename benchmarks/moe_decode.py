@@ -196,8 +196,9 @@ def sweep(path_ops, router_ops, xs, logits, m: int, floors: dict[str, float]) ->
         )
     }
     variants = {
-        "route": [("warps_route", (1, 2, 4))],
-        "gate_up": [("stages_gate_up", (2, 3, 4)), ("blocks", (1, 2))],
+        "route": [("warps_route", (1, 2, 4)), ("quantize_apart", (False, True))],
+        "gate_up": [("stages_gate_up", (2, 3, 4)), ("blocks", (1, 2)),
+                    ("bn_gate_up", (16, 32, 64))],
         "down": [("tiles_down", (1, 2, 4)), ("stages_down", (2, 3, 4))],
     }  # fmt: skip
     plan = path_ops[0].plans[m]

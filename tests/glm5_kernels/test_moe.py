@@ -152,13 +152,19 @@ def test_bad_inputs_name_every_problem(weights):
 @interpreter
 @pytest.mark.parametrize(
     "change",
-    [{"tiles_down": 1, "blocks": 2}, {"tiles_down": 2, "blocks": 1}, {"warps_route": 4}],
-    ids=["one-tile-per-cta", "one-block-per-step", "routing-on-4-warps"],
+    [
+        {"tiles_down": 1, "blocks": 2},
+        {"tiles_down": 2, "blocks": 1},
+        {"warps_route": 4},
+        {"quantize_apart": False, "warps_route": 2},
+    ],
+    ids=["one-tile-per-cta", "one-block-per-step", "routing-on-4-warps", "quantized-inline"],
 )
 def test_every_tile_gives_the_same_rows(change, weights):
     """The plan's variants (column tiles per down CTA, K blocks per gate_up step, the
-    routing's warps) change the FP32 summation order at most: rows within the bound of the
-    reference, finalized outputs within a BF16 rounding of each other."""
+    routing's warps, the tokens quantized by the routing programs) change the FP32
+    summation order at most: rows within the bound of the reference, finalized outputs
+    within a BF16 rounding of each other."""
     m = 7
     gen = torch.Generator().manual_seed(21)
     x = torch.randn(m, D, generator=gen).bfloat16()
@@ -170,6 +176,32 @@ def test_every_tile_gives_the_same_rows(change, weights):
     assert_rows_close(rows.rows, rows.route_row, x, rows.ids, rows.weights, weights[0],
                       LIMIT, weights[1])  # fmt: skip
     assert_same_sum(op.finalized(x, logits), want)
+
+
+@interpreter
+@pytest.mark.parametrize("m", [1, 3])
+def test_tokens_quantized_apart_are_the_same_tokens(m):
+    """The routing launch's tokens quantized by programs of their own (quantize_apart), at a
+    hidden size of 9 groups (two quantizing programs a token, the second's last 7 groups
+    past the end): the layer's rows and outputs bit-equal to the routing programs
+    quantizing their own token, routed here or given."""
+    d = 9 * 128
+    gen = torch.Generator().manual_seed(40 + m)
+    w = moe_weights(E, d, I, "cpu", gen)
+    op = MegaExperts(*w[:4], bias=torch.zeros(E), shared=w[4], top_k=K, routed_scaling=SCALING,
+                     swiglu_limit=LIMIT)  # fmt: skip
+    x = torch.randn(m, d, generator=gen).bfloat16()
+    logits = torch.randn(m, E, generator=gen)
+    ids = torch.randint(0, E, (m, K), generator=gen, dtype=torch.int32)
+    weights = torch.rand(m, K, generator=gen)
+    inline = replace(op.plans[m], quantize_apart=False)
+    op.plans[m] = inline
+    want = op(x, logits), op.routed(x, ids, weights, finalize=True)
+    op.plans[m] = replace(inline, quantize_apart=True)
+    got = op(x, logits), op.routed(x, ids, weights, finalize=True)
+    for field in ("rows", "route_row", "ids", "weights"):
+        assert torch.equal(getattr(got[0], field), getattr(want[0], field)), field
+    assert torch.equal(got[1], want[1])
 
 
 @interpreter

@@ -34,6 +34,7 @@ __all__ = ["MAX_TOP_K", "GroupedExperts", "MegaExperts", "MoeLayer", "MoeRows"]
 
 MAX_TOP_K = 16  # the routing kernel's compiled bound on routes per token
 GROUP = 128
+QUANT_GROUPS = 8  # 1x128 groups a routing program quantizes at a time
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class _Plan:
     stages_down: int = 3
     warps: int = 4
     warps_route: int = 4
+    quantize_apart: bool = True  # route_kernel: the tokens quantized by programs of their own
 
 
 class MegaExperts:
@@ -150,7 +152,9 @@ class MegaExperts:
         step in 3 stages (one: 5-25 % slower, 2 or 4 stages: 5-70 %), one where the tile is
         64 tokens (two overflow shared memory); down in 3 stages, one column tile per CTA,
         two where I has only 4 K blocks and the groups are many (64 tokens: 5 % faster, at
-        1-8 tokens 1-10 % slower); routing on 4 warps (one: 25 % slower)."""
+        1-8 tokens 1-10 % slower); routing on 4 warps (one: 25 % slower), the tokens
+        quantized by programs beside the routing ones (H100, TP 4 and 8 ranks, 1-8 tokens:
+        the routing launch 7.6-8.3 -> 6.1-6.6 us, benchmarks/results/moe_sweep_h100.json)."""
         k, e, d, i = self.top_k, self.num_experts, self.hidden, self.inter
         chunk = m if self.chunk_tokens is None else min(self.chunk_tokens, m)
         # Groups: the shared expert's, one per touched expert, and the extra ones of experts
@@ -284,15 +288,17 @@ class MegaExperts:
 
         p, m, pdl = self.plans[b.m], b.m, self._pdl
         group = b.group
-        route_kernel[(m,)](
+        apart = m * -(-self.hidden // (GROUP * QUANT_GROUPS)) if p.quantize_apart else 0
+        route_kernel[(m + apart,)](
             b.logits if b.route else b.x, self.bias, b.ids, b.weights, b.route_row, group[0],
             group[1], group[2], b.row_token, b.x, b.xq, b.xs, self._arrivals, m, self.num_experts,
             self.hidden, b.logits.stride(0) if b.route else 0, b.x.stride(0),
             self.routed_scaling, p.groups, p.chunk,
             MAX_CHUNKS=-(-m // p.chunk), TOP_K=self.top_k, KP=next_pow2(self.top_k),
             BR=max(2, next_pow2(m * self.top_k)), BE=next_pow2(self.num_experts + 1), ROUTE=b.route,
-            UE8M0=self.ue8m0, QUANT_GROUPS=8, INTERPRETER=self._interp, PDL=pdl,
-            SHARED=self.shared, num_warps=p.warps_route, launch_pdl=pdl,
+            UE8M0=self.ue8m0, QUANT_GROUPS=QUANT_GROUPS, INTERPRETER=self._interp, PDL=pdl,
+            SHARED=self.shared, QUANT_APART=p.quantize_apart, num_warps=p.warps_route,
+            launch_pdl=pdl,
         )  # fmt: skip
 
     def _route_gated(self, b: SimpleNamespace, gate: Router) -> None:
@@ -312,7 +318,8 @@ class MegaExperts:
             MAX_CHUNKS=-(-m // p.chunk), TOP_K=self.top_k, KP=next_pow2(self.top_k),
             BR=max(2, next_pow2(m * self.top_k)), BE=next_pow2(e + 1), BM=t.bm, BN=t.bn,
             BK=t.bk, SPLIT_K=t.split_k, BT=min(4, next_pow2(m)), UE8M0=self.ue8m0,
-            QUANT_GROUPS=8, INTERPRETER=self._interp, PDL=pdl, PREFETCH=t.prefetch if pdl else 0,
+            QUANT_GROUPS=QUANT_GROUPS, INTERPRETER=self._interp, PDL=pdl,
+            PREFETCH=t.prefetch if pdl else 0,
             SHARED=self.shared, num_warps=t.warps, num_stages=t.stages, launch_pdl=pdl,
         )  # fmt: skip
 

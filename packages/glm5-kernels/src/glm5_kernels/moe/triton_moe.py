@@ -1,11 +1,12 @@
 """Triton kernels of the MoE stage: routing, then the experts grouped by expert, in three launches.
 
-  route_kernel   one program routes all M tokens (sigmoid + bias top-k, ties to the lower
-                 id, renormalized weights) and lays the routes out grouped by expert: the
-                 shared expert's M rows first, then each touched expert's rows together, cut
-                 into groups of at most CHUNK tokens (one group = one expert's weights read
-                 once for all of its tokens in the group). The other M programs quantize the
-                 tokens to FP8 in 1x128 groups, once for every expert that reads them.
+  route_kernel   program t picks token t's routes (sigmoid + bias top-k, ties to the lower
+                 id, renormalized weights); the last to finish lays them out grouped by
+                 expert: the shared expert's M rows first, then each touched expert's rows
+                 together, cut into groups of at most CHUNK tokens (one group = one expert's
+                 weights read once for all of its tokens in the group). The same programs,
+                 or (QUANT_APART) M x D/1024 more beside them, quantize the tokens to FP8 in
+                 1x128 groups, once for every expert that reads them.
                  router_route_kernel: the same with the router GEMM in it (the split-K
                  Router's tiles; the last program sums the partials and routes every token).
   gate_up_kernel a CTA per (group, BN gate columns): gate and up tiles of that expert against
@@ -43,18 +44,27 @@ def _ordered(v):
 
 
 @triton.jit
+def _quantize_groups(x_ptr, xq_ptr, xs_ptr, t, g0, D, stride_xm, UE8M0: tl.constexpr,
+                     QUANT_GROUPS: tl.constexpr, INTERPRETER: tl.constexpr):  # fmt: skip
+    """Token t's 128-groups g0 .. g0 + QUANT_GROUPS - 1 -> e4m3 codes and one FP32 scale
+    each (vLLM's group rule). Past the end: the last group again (the same values stored
+    twice)."""
+    c = tl.arange(0, 128)
+    groups = tl.minimum(g0 + tl.arange(0, QUANT_GROUPS), D // 128 - 1)
+    cols = groups[:, None] * 128 + c[None, :]
+    x = tl.load(x_ptr + t * stride_xm + cols).to(tl.float32)
+    xq, sx = quantize_groups(x, UE8M0, INTERPRETER)
+    tl.store(xq_ptr + t * D + cols, xq)
+    tl.store(xs_ptr + t * (D // 128) + groups, sx)
+
+
+@triton.jit
 def _quantize_token(x_ptr, xq_ptr, xs_ptr, t, D, stride_xm, UE8M0: tl.constexpr,
                     QUANT_GROUPS: tl.constexpr, INTERPRETER: tl.constexpr):  # fmt: skip
-    """Token t's D values -> e4m3 codes and one FP32 scale per 128 (vLLM's group rule)."""
-    c = tl.arange(0, 128)
+    """Token t's D values -> e4m3 codes and one FP32 scale per 128."""
     for g0 in range(0, D // 128, QUANT_GROUPS):
-        # Past the end: the last group again (the same values stored twice).
-        groups = tl.minimum(g0 + tl.arange(0, QUANT_GROUPS), D // 128 - 1)
-        cols = groups[:, None] * 128 + c[None, :]
-        x = tl.load(x_ptr + t * stride_xm + cols).to(tl.float32)
-        xq, sx = quantize_groups(x, UE8M0, INTERPRETER)
-        tl.store(xq_ptr + t * D + cols, xq)
-        tl.store(xs_ptr + t * (D // 128) + groups, sx)
+        _quantize_groups(x_ptr, xq_ptr, xs_ptr, t, g0, D, stride_xm, UE8M0, QUANT_GROUPS,
+                         INTERPRETER)  # fmt: skip
 
 
 @triton.jit
@@ -118,15 +128,25 @@ def route_kernel(
     TOP_K: tl.constexpr, KP: tl.constexpr, BR: tl.constexpr, BE: tl.constexpr,
     ROUTE: tl.constexpr, UE8M0: tl.constexpr, QUANT_GROUPS: tl.constexpr,
     INTERPRETER: tl.constexpr, PDL: tl.constexpr, SHARED: tl.constexpr = True,
+    QUANT_APART: tl.constexpr = False,
 ):  # fmt: skip
-    """Program t quantizes token t and picks its routes; the last to finish lays them out
-    (`_lay_out`)."""
+    """Program t < M picks token t's routes and quantizes the token, or (QUANT_APART) leaves
+    that to programs M.. (QUANT_GROUPS groups of one token each: the routing program's
+    dependent chain is then the pick alone); the last program to finish lays the routes
+    out (`_lay_out`)."""
     t = tl.program_id(0)
     if PDL:
         gdc_wait()
-    _quantize_token(x_ptr, xq_ptr, xs_ptr, t, D, stride_xm, UE8M0, QUANT_GROUPS, INTERPRETER)
+    if QUANT_APART and t >= M:
+        per_token = tl.cdiv(D // 128, QUANT_GROUPS)
+        q = t - M
+        _quantize_groups(x_ptr, xq_ptr, xs_ptr, q // per_token, (q % per_token) * QUANT_GROUPS,
+                         D, stride_xm, UE8M0, QUANT_GROUPS, INTERPRETER)  # fmt: skip
+    elif not QUANT_APART:
+        _quantize_token(x_ptr, xq_ptr, xs_ptr, t, D, stride_xm, UE8M0, QUANT_GROUPS,
+                        INTERPRETER)  # fmt: skip
     kcols = tl.arange(0, KP)
-    if ROUTE:
+    if ROUTE and t < M:
         cols = tl.arange(0, BE)
         valid = cols < E
         score = torch_sigmoid(tl.load(logits_ptr + t * stride_lm + cols, mask=valid, other=0.0),
@@ -152,7 +172,7 @@ def route_kernel(
     # Every program's ids are stored before the one thread issuing its arrival.
     tl.debug_barrier()
     arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel")
-    if arrived == M - 1:
+    if arrived == tl.num_programs(0) - 1:
         _lay_out(ids_ptr, route_row_ptr, group_expert_ptr, group_row_ptr, group_count_ptr,
                  row_token_ptr, M, E, G, CHUNK, MAX_CHUNKS, TOP_K, BR, BE, SHARED)  # fmt: skip
         tl.atomic_xchg(count_ptr, 0)
