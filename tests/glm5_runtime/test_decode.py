@@ -180,6 +180,29 @@ def test_unplanned_steps_run_stock():
     assert not any(rank.routes for rank in model.ranks)  # nothing left installed
 
 
+def test_stages_a_whole_sublayer_stage_leaves_nothing_to_serve_are_named(caplog):
+    """Where moe serves every capture size, the router and shared expert stages serve none
+    (and kda_proj where kda does, dsa_proj where the MLA stages do): no warning, no op, and
+    `unserved` names who serves instead (what `tune` records for such a candidate)."""
+    model = _model(_small())
+    everywhere = {**TRITON_STAGES, "moe": {"1-64": "per_route"}, "kda": {"1-64": "fused"}}
+    with caplog.at_level(logging.WARNING):
+        whole = SpecializedDecode(ReferenceBackbone(model), DecodeConfig.build(
+            max_context=64, q=Q, capture_sizes=SIZES, policy=everywhere))  # fmt: skip
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert set(whole.unserved) == {"router", "shared_expert", "kda_proj", "dsa_proj"}
+    assert whole.unserved["router"] == "moe (the whole MoE layer) serves its token counts [2, 4]"
+    assert "kda (the whole KDA sublayer)" in whole.unserved["kda_proj"]
+    assert not {"router", "shared_expert", "kda_proj", "dsa_proj"} & set(whole.stage_of.values())
+    # moe at 1-2 only: the router and shared expert serve the 4-token steps (1 is no
+    # multiple of q: not a planned size).
+    some = SpecializedDecode(ReferenceBackbone(model), DecodeConfig.build(
+        max_context=64, q=Q, capture_sizes=SIZES,
+        policy={**everywhere, "moe": {"1-2": "per_route"}}))  # fmt: skip
+    assert set(some.unserved) == {"kda_proj", "dsa_proj"}
+    assert {"router", "shared_expert"} <= set(some.stage_of.values())
+
+
 def test_stage_that_cannot_build_warns_once_and_runs_stock(caplog):
     g = geometry("tiny")  # hidden 64: FP8 GEMMs need K % 128 == 0, so they cannot build
     model = _model(g)

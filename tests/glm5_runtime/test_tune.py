@@ -61,11 +61,12 @@ class Step:
     each size (random, fixed by the seed); `broken` choices fail to build (the stage is not
     among the built ones, with a warning), `raising` ones raise."""
 
-    def __init__(self, seed, broken=(), raising=()):
+    def __init__(self, seed, broken=(), raising=(), unserved=()):
         rng = random.Random(seed)
         self.cost = {(s, c, m): rng.uniform(0.0, 1.0) for s in STAGES for c in candidates(s)
                      for m in SIZES}  # fmt: skip
         self.broken, self.raising, self.calls = set(broken), set(raising), 0
+        self.unserved = set(unserved)
 
     def __call__(self, table):
         self.calls += 1
@@ -79,6 +80,10 @@ class Step:
             if c in table[stage].values():
                 built.discard(stage)
                 said.append(f"Specialized decode: stage {stage} runs stock (no kernel)")
+        for stage in self.unserved:  # as tune.run says it, whatever the choice
+            if any(c is not None for c in table[stage].values()):
+                built.discard(stage)
+            said.append(f"stage {stage}{tune.UNSERVED}moe serves its token counts {SIZES}")
 
         def cost(s, c, m):  # a stage that did not build runs stock
             return self.cost[s, None if s not in built else c, m]
@@ -131,6 +136,20 @@ def test_a_choice_that_does_not_build_or_run_is_recorded_and_never_picked():
     }
     assert "cute" not in result["table"]["boundary"].values()
     assert "fused" not in result["table"]["kda"].values()
+
+
+def test_a_choice_a_whole_sublayer_stage_leaves_unserved_is_recorded_as_such():
+    step = Step(1, unserved={"router"})
+    for m in SIZES:
+        step.cost["router", "split_k", m] = -10.0  # were it to run, the fastest
+    result = tune.tune(step, {s: dict.fromkeys(SIZES) for s in STAGES}, SIZES)
+    runs = result["stages"]["router"]["candidates"]
+    assert runs["split_k"] == {"unserved": f"stage router{tune.UNSERVED}moe serves its token "
+                               f"counts {SIZES}"}  # fmt: skip
+    assert result["table"]["router"] == dict.fromkeys(SIZES)
+    # The other stages' runs do not carry the note as a warning.
+    assert all(not r.get("warnings") for s in result["stages"].values()
+               for r in s["candidates"].values() if "ms" in r)  # fmt: skip
 
 
 def test_noise_widens_the_tie_band():

@@ -139,19 +139,25 @@ class LayerStages:
         self._selections: dict[int, Tensor] = {}
         self.ops: list[tuple[Any, list[int]]] = []  # (op, its token counts) to prepare
         self.stage_of: dict[int, str] = {}  # id(op) -> its policy stage
+        # Stages the policy picks only at token counts a whole-sublayer stage serves (so
+        # they serve none): stage -> which one, and where. Not an error; `tune` reports it.
+        self.unserved: dict[str, str] = {}
         # Where the MLA stages all serve a token count, the MLA sublayer is theirs,
         # projections included (`mla_counts`); `dsa_proj` serves only the other counts.
         self.mla_counts = self._mla_counts()
-        self._build("dsa_proj", self._projections("mla", DSA_PROJECTIONS), skip=self.mla_counts)
+        self._build("dsa_proj", self._projections("mla", DSA_PROJECTIONS), skip=self.mla_counts,
+                    served_by="the MLA sublayer stages")  # fmt: skip
         # Where `kda` serves a token count the KDA sublayer is its own, projections included.
         sublayer = {b for b in self.batches if self.policy("kda", b) in KDA_CORES}
-        self._build("kda_proj", self._projections("kda", KDA_PROJECTIONS), skip=sublayer)
+        self._build("kda_proj", self._projections("kda", KDA_PROJECTIONS), skip=sublayer,
+                    served_by="kda (the whole KDA sublayer)")  # fmt: skip
         # Where `moe` serves a token count it is the whole layer, its router and shared
         # expert inside its own launches: their stages serve the other counts only.
         layer = {b for b in self.batches if self.policy("moe", b)}
-        self._build("router", self._routers, skip=layer)
+        moe = "moe (the whole MoE layer)"
+        self._build("router", self._routers, skip=layer, served_by=moe)
         self._build("shared_expert", self._mlps("moe", "mlp.shared_experts", SharedExpert),
-                    skip=layer)  # fmt: skip
+                    skip=layer, served_by=moe)  # fmt: skip
         self._build("dense_mlp", self._mlps("dense", "mlp", DenseMlp, sublayer=True))
         self._build("moe", self._moe)
         self._build("kda", self._kda, choice=KDA_CORES)
@@ -178,14 +184,17 @@ class LayerStages:
         return counts
 
     def _build(self, stage: str, build: Callable[[list[int]], None], choice=None,
-               skip=frozenset()) -> None:  # fmt: skip
+               skip=frozenset(), served_by: str | None = None) -> None:  # fmt: skip
         """Build one stage for the token counts the policy gives it (`choice`: only those
-        that pick it, or one of a tuple; none in `skip`); on failure, one warning and the
-        stage's ops stay stock."""
-        picked = [(b, self.policy(stage, b)) for b in self.batches if b not in skip]
+        that pick it, or one of a tuple; none in `skip`, which `served_by` serves); on
+        failure, one warning and the stage's ops stay stock."""
         chosen = (choice,) if isinstance(choice, str) else choice
-        tokens = [b for b, c in picked if (c in chosen if chosen else c)]
+        picked = [(b, self.policy(stage, b)) for b in self.batches]
+        picked = [b for b, c in picked if (c in chosen if chosen else c)]
+        tokens = [b for b in picked if b not in skip]
         if not tokens:
+            if picked and served_by:
+                self.unserved[stage] = f"{served_by} serves its token counts {picked}"
             return
         routes, ops = {b: list(r) for b, r in self.routes.items()}, list(self.ops)
         sublayers = set(self.sublayers)

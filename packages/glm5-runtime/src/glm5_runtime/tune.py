@@ -19,7 +19,9 @@ written with the measurements, command, GPU, commit and date; its `policy` is wh
 
 Where a stage is stock the reference backbone's op runs; with `--vllm-ops DIR`, vLLM 0.33's
 own kernels run the routed experts, the KDA core and the mHC pre there (`VllmStock`), as in
-a vLLM server. A candidate whose stage does not build is recorded with why, never picked.
+a vLLM server. A candidate whose stage does not build is recorded with why, never picked;
+one a whole-sublayer stage leaves nothing to serve (the router where `moe` serves every
+size) is recorded as `unserved`, with which stage serves instead.
 `logits_gather` is kept from the starting table: one GPU has no gather to time.
 
     glm5-decode tune --geometry flash-tp4-rank --q 1 --tokens 1,2,4,8,16,32,64 \\
@@ -50,6 +52,9 @@ SIMPLER = {"boundary": ("triton", "cute", "cute_deferred"), "kda": ("fused", "fu
 ORDER = ("moe", "boundary", "kda", "kda_proj", "dsa_attn", "dsa_proj", "router",
          "shared_expert", "dense_mlp", "logits_head", "embed")  # fmt: skip
 KEPT = frozenset({"logits_gather"})  # not measurable on one GPU
+# How `time_table` says a stage serves no size of the table (not a warning: a whole-sublayer
+# stage serves them), e.g. "stage router serves no token count: moe (...) serves ...".
+UNSERVED = " serves no token count: "
 # Stages that serve one sublayer together, tuned as one: the first's choice on sets the
 # others' (the MLA sublayer: its attention, pool write and selection), stock sets them stock.
 TOGETHER = {"dsa_attn": {"dsa_kpool": "fused", "dsa_indexer": "fused"}}
@@ -199,10 +204,14 @@ def tune(
                 runs[label] = {"failed": f"{type(e).__name__}: {e}"}
                 continue
             if choice is not None and stage not in built:
+                unserved = [w for w in said if w.startswith(f"stage {stage}{UNSERVED}")]
+                if unserved:  # not a failure: a whole-sublayer stage serves those sizes
+                    runs[label] = {"unserved": unserved[0]}
+                    continue
                 why = [w for w in said if f"stage {stage} " in w] or said or ["no reason"]
                 runs[label] = {"failed": "did not build: " + "; ".join(why)}
                 continue
-            runs[label] = {"ms": ms, "warnings": said}
+            runs[label] = {"ms": ms, "warnings": [w for w in said if UNSERVED not in w]}
             for m in sizes:
                 times[m][choice] = ms[m]
         # A size where nothing ran keeps its choice (the error is in `runs`).
@@ -281,6 +290,7 @@ def run(args) -> dict:
             decode = SpecializedDecode(ReferenceBackbone(model), config)
             decode.prepare()
         built = {decode.stage_of[id(op)] for op, _ in decode.ops}
+        said += [f"stage {s}{UNSERVED}{why}" for s, why in decode.unserved.items()]
         ms = {}
         for m in sizes:
             requests, step = _step(model, m, q, args.context)
