@@ -169,7 +169,8 @@ def tune(
     checkpoint: Callable[[dict], None] | None = None,
 ) -> dict:
     """Coordinate descent over `stages` from `start`: per stage, every candidate at every size
-    (`time_table(table)` -> (ms per size, stages built, warnings)), the pick per size.
+    (`time_table(table, stage tried)` -> (ms per size, stages built, warnings; no times
+    where the stage tried serves no size: `UNSERVED`)), the pick per size.
     Returns the chosen table, each stage's measurements, the noise, the starting table's
     times and the confirmation. `prior`: an unfinished run's result (`start` its table) to
     go on from: its noise, starting table (`origin`, else `start`) and times are kept, its
@@ -199,7 +200,7 @@ def tune(
             done += 1
             trial = {**table, **_chosen(stage, dict.fromkeys(sizes, choice))}
             try:
-                ms, built, said = time_table(trial)
+                ms, built, said = time_table(trial, stage)
             except Exception as e:  # a candidate that cannot run is a measurement too
                 runs[label] = {"failed": f"{type(e).__name__}: {e}"}
                 continue
@@ -283,14 +284,16 @@ def run(args) -> dict:
 
         stock = VllmStock(model, args.vllm_ops)
 
-    def time_table(table: Table) -> tuple[dict[int, float], set[str], list[str]]:
+    def time_table(table: Table, trying: str | None = None):
         config = DecodeConfig.build(max_context=args.context + 16, q=q, capture_sizes=sizes,
                                     policy=as_policy(table, sizes))  # fmt: skip
         with _warnings() as said:
             decode = SpecializedDecode(ReferenceBackbone(model), config)
+            said += [f"stage {s}{UNSERVED}{why}" for s, why in decode.unserved.items()]
+            if trying in decode.unserved:  # nothing of it to time: no compile, no capture
+                return {}, {decode.stage_of[id(op)] for op, _ in decode.ops}, said
             decode.prepare()
         built = {decode.stage_of[id(op)] for op, _ in decode.ops}
-        said += [f"stage {s}{UNSERVED}{why}" for s, why in decode.unserved.items()]
         ms = {}
         for m in sizes:
             requests, step = _step(model, m, q, args.context)
