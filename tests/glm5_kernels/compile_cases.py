@@ -163,7 +163,9 @@ def moe_cases(arch: int) -> int:
                         "BR": max(2, next_pow2(m * 8)), "BE": 512, "BM": t.bm, "BN": t.bn,
                         "BK": t.bk, "SPLIT_K": t.split_k, "BT": min(4, next_pow2(m)),
                         "UE8M0": e8m0, "QUANT_GROUPS": 8, "INTERPRETER": False, "PDL": True,
-                        "PREFETCH": t.prefetch, "SHARED": True}, t.warps, t.stages))  # fmt: skip
+                        "PREFETCH": t.prefetch, "SHARED": True,
+                        "QUANT_APART": p.quantize_apart and m != 1},
+                        t.warps, t.stages))  # fmt: skip
                 if m == 8 and tp == 4:  # the shared expert beside the launches (shared=None)
                     cases += [(k, {**c, "SHARED": False}, w, st) for k, c, w, st in cases
                               if k is not gate_up_kernel]  # fmt: skip

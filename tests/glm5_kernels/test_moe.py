@@ -259,14 +259,18 @@ def test_shared_expert_beside_the_routed_ones(weights):
 
 
 @interpreter
-@pytest.mark.parametrize("d, m", [(256, 6), (1024, 1), (1024, 3)])
-def test_router_inside_the_routing_launch(d, m):
+@pytest.mark.parametrize(
+    "d, m, apart", [(256, 6, False), (256, 6, True), (1024, 1, True), (1024, 3, False)]
+)
+def test_router_inside_the_routing_launch(d, m, apart):
     """finalized(x, gate=Router): the router GEMM on the Router's split-K tiles inside the
     routing launch. Its logits (summed from the splits by the last program) equal the
     separate Router's bit for bit, the routing is route_ref's from them, and the output is
     the four-launch path's on those logits, exactly; the arrival counter is back at zero
     for the next launch (a graph replay). At d 1024 K splits in two (the partials' path);
-    at d 256, m 6 some programs only quantize their token. Exact ties: a zero gate."""
+    at d 256, m 6 some programs only quantize their token (the tiles' programs quantizing
+    the first tokens, or programs after theirs every token: `apart`, the plan's default).
+    Exact ties: a zero gate."""
     from glm5_kernels.gemm import Router
     from glm5_kernels.moe import MoeLayer
 
@@ -284,6 +288,7 @@ def test_router_inside_the_routing_launch(d, m):
         assert router.tiles[m].split_k == (2 if d == 1024 else 1), router.tiles[m]
         op = MegaExperts(*w[:4], bias=b, shared=w[4], top_k=K, routed_scaling=SCALING,
                          swiglu_limit=LIMIT)  # fmt: skip
+        op.plans[m] = replace(op.plans[m], quantize_apart=apart)
         seen = []
         op._run = recording(op._run, seen)
         out = op.finalized(x, out=poisoned(m, d, torch.bfloat16, "cpu"), gate=router)

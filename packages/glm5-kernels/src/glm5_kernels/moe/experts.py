@@ -80,7 +80,9 @@ class _Plan:
     stages_down: int = 3
     warps: int = 4
     warps_route: int = 4
-    quantize_apart: bool = True  # route_kernel: the tokens quantized by programs of their own
+    # The routing launch's tokens quantized by programs of their own (route_kernel's, and
+    # router_route_kernel's after the router tiles').
+    quantize_apart: bool = True
 
 
 class MegaExperts:
@@ -309,7 +311,9 @@ class MegaExperts:
         p, m, pdl, t = self.plans[b.m], b.m, self._pdl, gate.tiles[b.m]
         e, d = self.num_experts, self.hidden
         k_tiles = -(-d // t.bk)
-        grid = max(-(-e // t.bn) * t.split_k, m)
+        gemm = -(-e // t.bn) * t.split_k  # the router tiles' programs
+        apart = p.quantize_apart
+        grid = gemm + m * -(-d // (GROUP * QUANT_GROUPS)) if apart else max(gemm, m)
         part = torch.empty(t.split_k, m, e, dtype=torch.float32, device=self._device)
         router_route_kernel[(grid,)](
             gate.weight, part, b.logits, self.bias, b.ids, b.weights, b.route_row, b.group[0],
@@ -320,7 +324,8 @@ class MegaExperts:
             BK=t.bk, SPLIT_K=t.split_k, BT=min(4, next_pow2(m)), UE8M0=self.ue8m0,
             QUANT_GROUPS=QUANT_GROUPS, INTERPRETER=self._interp, PDL=pdl,
             PREFETCH=t.prefetch if pdl else 0,
-            SHARED=self.shared, num_warps=t.warps, num_stages=t.stages, launch_pdl=pdl,
+            SHARED=self.shared, QUANT_APART=apart, num_warps=t.warps, num_stages=t.stages,
+            launch_pdl=pdl,
         )  # fmt: skip
 
     def _gate_up(self, b: SimpleNamespace) -> None:

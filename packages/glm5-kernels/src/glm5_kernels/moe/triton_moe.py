@@ -235,14 +235,16 @@ def router_route_kernel(
     BE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     SPLIT_K: tl.constexpr, BT: tl.constexpr, UE8M0: tl.constexpr, QUANT_GROUPS: tl.constexpr,
     INTERPRETER: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-    SHARED: tl.constexpr = True,
+    SHARED: tl.constexpr = True, QUANT_APART: tl.constexpr = False,
 ):  # fmt: skip
     """The router GEMM and route_kernel in one launch. Program p < tiles x SPLIT_K computes
     the partial logits of BN experts over one split of K (the Router's swap-AB tile: accᵀ
-    [BN, BM] = gate tile @ x tileᵀ) and stores them; program t < M quantizes token t; the
-    last program to arrive sums every token's partials, picks its routes (`_pick_routes`)
-    and lays them out (`_lay_out`). One arrival counter for the whole launch, where the
-    separate router's split-K fixup and route_kernel each had one."""
+    [BN, BM] = gate tile @ x tileᵀ) and stores them; program t < M quantizes token t after
+    its tile, or (QUANT_APART) the programs after the tiles' do, QUANT_GROUPS groups of one
+    token each (route_kernel's split: the tiles' programs arrive sooner); the last program
+    to arrive sums every token's partials, picks its routes (`_pick_routes`) and lays them
+    out (`_lay_out`). One arrival counter for the whole launch, where the separate router's
+    split-K fixup and route_kernel each had one."""
     pid = tl.program_id(0)
     tiles = tl.cdiv(E, BN)
     split = pid // tiles
@@ -265,7 +267,14 @@ def router_route_kernel(
             acc = tl.dot(w, tl.trans(x), acc)
         at = part_ptr + split * M * E + offs_m[None, :] * E + offs_n[:, None]
         tl.store(at, acc, mask=(offs_n[:, None] < E) & (offs_m[None, :] < M))
-    if pid < M:
+    if QUANT_APART:
+        if split >= SPLIT_K:
+            per_token = tl.cdiv(D // 128, QUANT_GROUPS)
+            q = pid - tiles * SPLIT_K
+            _quantize_groups(x_ptr, xq_ptr, xs_ptr, q // per_token,
+                             (q % per_token) * QUANT_GROUPS, D, stride_xm, UE8M0, QUANT_GROUPS,
+                             INTERPRETER)  # fmt: skip
+    elif pid < M:
         _quantize_token(x_ptr, xq_ptr, xs_ptr, pid, D, stride_xm, UE8M0, QUANT_GROUPS,
                         INTERPRETER)  # fmt: skip
     # Every thread's partials are stored before the one thread issuing the release.
