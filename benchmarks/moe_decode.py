@@ -195,14 +195,21 @@ def sweep(path_ops, router_ops, xs, logits, m: int, floors: dict[str, float]) ->
             [lambda r=r, x=x: r(x) for r, x in zip(router_ops, xs, strict=True)]
         )
     }
-    variants = {
-        "route": [("warps_route", (1, 2, 4)), ("quantize_apart", (False, True))],
-        "gate_up": [("stages_gate_up", (2, 3, 4)), ("blocks", (1, 2)),
-                    ("bn_gate_up", (16, 32, 64))],
-        "down": [("tiles_down", (1, 2, 4)), ("stages_down", (2, 3, 4))],
+
+    def each(field, values):
+        return [{field: v} for v in values]
+
+    variants = {  # each a change of the plan
+        "route": each("warps_route", (1, 2, 4)) + each("quantize_apart", (False, True)),
+        "gate_up": each("stages_gate_up", (2, 3, 4)) + each("blocks", (1, 2, 4))
+        + each("bn_gate_up", (16, 32, 64)) + each("split_gate_up", (1, 2, 4, 8))
+        + [{"blocks": 4, "stages_gate_up": 2}, {"split_gate_up": 2, "stages_gate_up": 4},
+           {"split_gate_up": 4, "stages_gate_up": 4}, {"split_gate_up": 2, "bn_gate_up": 32},
+           {"split_gate_up": 4, "blocks": 1}],
+        "down": each("tiles_down", (1, 2, 4)) + each("stages_down", (2, 3, 4)),
     }  # fmt: skip
     plan = path_ops[0].plans[m]
-    for kernel, fields in variants.items():
+    for kernel, changes in variants.items():
 
         def timed(iters: int, kernel: str = kernel) -> float:
             bs = buffers()
@@ -214,18 +221,17 @@ def sweep(path_ops, router_ops, xs, logits, m: int, floors: dict[str, float]) ->
         out[f"{kernel}_us"] = timed(15)
         out[f"{kernel}_floor_us"] = floors.get(kernel)
         tried = []
-        for field, values in fields:
-            for v in values:
-                if v == getattr(plan, field):
-                    continue
-                for op in path_ops:
-                    op.plans[m] = replace(plan, **{field: v})
-                try:
-                    tried.append({field: v, "us": timed(7)})
-                except Exception as e:  # a tile that does not fit: say so, go on
-                    tried.append({field: v, "error": f"{type(e).__name__}: {e}"[:200]})
-                for op in path_ops:
-                    op.plans[m] = plan
+        for change in changes:
+            if all(getattr(plan, f) == v for f, v in change.items()):
+                continue
+            for op in path_ops:
+                op.plans[m] = replace(plan, **change)
+            try:
+                tried.append({**change, "us": timed(7)})
+            except Exception as e:  # a tile that does not fit: say so, go on
+                tried.append({**change, "error": f"{type(e).__name__}: {e}"[:200]})
+            for op in path_ops:
+                op.plans[m] = plan
         out[f"{kernel}_variants"] = tried
     out["plan"] = vars(plan)
     return out

@@ -124,6 +124,7 @@ def moe_cases(arch: int) -> int:
     ints = {n: "i32" for n in ("M", "E", "D", "I", "G", "CHUNK", "stride_lm", "stride_xm")}
     ints["stride_om"] = "i32"
     ints |= {"w_shared": "i64", "ws_shared": "i64", "limit": "fp32", "scaling": "fp32"}
+    ints["rows_total"] = "i32"
     ptrs = {"x_ptr": "*bf16", "xq_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "out_ptr": "*bf16"}
     ptrs |= {n: "*fp32" for n in ("logits_ptr", "bias_ptr", "weights_ptr", "xs_ptr", "rows_ptr")}
     for n in ("ids_ptr", "route_row_ptr", "group_expert_ptr", "group_row_ptr", "count_ptr"):
@@ -148,7 +149,8 @@ def moe_cases(arch: int) -> int:
                                     "UE8M0": e8m0, "QUANT_GROUPS": 8, "INTERPRETER": False,
                                     "PDL": True, "SHARED": True,
                                     "QUANT_APART": p.quantize_apart and m != 1}, p.warps_route, 1),
-                    (gate_up_kernel, {"BM": p.bm, "BN": p.bn_gate_up, "KB": p.blocks, **common},
+                    (gate_up_kernel, {"BM": p.bm, "BN": p.bn_gate_up, "KB": p.blocks,
+                                      "SPLIT": p.split_gate_up, **common},
                      p.warps, p.stages_gate_up),
                     (down_kernel, {"BM": p.bm, "BN": p.bn_down, "NT": p.tiles_down,
                                    "BT": max(2, next_pow2(m)), "TOP_K": 8,
@@ -166,6 +168,10 @@ def moe_cases(arch: int) -> int:
                         "PREFETCH": t.prefetch, "SHARED": True,
                         "QUANT_APART": p.quantize_apart and m != 1},
                         t.warps, t.stages))  # fmt: skip
+                if m == 1:  # gate_up's K split over 4 CTAs a tile (the sweep's variant)
+                    cases.append((gate_up_kernel, {"BM": p.bm, "BN": p.bn_gate_up,
+                                                   "KB": p.blocks, "SPLIT": 4, **common},
+                                  p.warps, p.stages_gate_up))  # fmt: skip
                 if m == 8 and tp == 4:  # the shared expert beside the launches (shared=None)
                     cases += [(k, {**c, "SHARED": False}, w, st) for k, c, w, st in cases
                               if k is not gate_up_kernel]  # fmt: skip

@@ -205,6 +205,33 @@ def test_tokens_quantized_apart_are_the_same_tokens(m):
 
 
 @interpreter
+@pytest.mark.parametrize("m, split, blocks", [(1, 2, 2), (5, 4, 1)], ids=["1-split2", "5-split4"])
+def test_gate_up_split_over_k(m, split, blocks):
+    """gate_up with `split` CTAs per column tile (the last to arrive sums the FP32 partials
+    in split order and applies the SwiGLU), at 4 K blocks: rows and output within the bound
+    of the reference, the same bits launch after launch, the arrival counters back at zero;
+    a split that does not tile K is one clear error."""
+    d = 4 * 128
+    gen = torch.Generator().manual_seed(50 + m)
+    w = moe_weights(E, d, I, "cpu", gen)
+    op = MegaExperts(*w[:4], bias=torch.zeros(E), shared=w[4], top_k=K, routed_scaling=SCALING,
+                     swiglu_limit=LIMIT)  # fmt: skip
+    x = torch.randn(m, d, generator=gen).bfloat16()
+    logits = torch.randn(m, E, generator=gen)
+    op.plans[m] = replace(op.plans[m], split_gate_up=split, blocks=blocks)
+    rows = op(x, logits)
+    ref = assert_rows_close(rows.rows, rows.route_row, x, rows.ids, rows.weights, w, LIMIT,
+                            False)  # fmt: skip
+    out = op.finalized(x, logits)
+    assert_output_close(out, ref, rows.weights)
+    assert torch.equal(op.finalized(x, logits), out)
+    assert not op._gate_up_counts.any()
+    op.plans[m] = replace(op.plans[m], split_gate_up=3)
+    with pytest.raises(ValueError, match=r"gate_up split 3 x \d K blocks a step does not tile 4 "):
+        op(x, logits)
+
+
+@interpreter
 def test_sentinel_ids_inside_capture_contribute_nothing(weights, monkeypatch):
     """Inside CUDA-graph capture (no host sync to check ids) an id outside [0, E) routes
     nowhere: its row is -1 and the sums skip it, as experts_ref skips expert-parallel ids."""

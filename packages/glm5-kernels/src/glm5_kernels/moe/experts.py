@@ -83,6 +83,7 @@ class _Plan:
     # The routing launch's tokens quantized by programs of their own (route_kernel's, and
     # router_route_kernel's after the router tiles').
     quantize_apart: bool = True
+    split_gate_up: int = 1  # gate_up: CTAs sharing a column tile's K (the last one's SwiGLU)
 
 
 class MegaExperts:
@@ -145,6 +146,9 @@ class MegaExperts:
         sms = sm_count(self._device)
         self.plans = {m: self._plan(m, sms) for m in range(1, max_tokens + 1)}
         self._counts = torch.zeros(-(-self.hidden // 16), dtype=torch.int32, device=self._device)
+        # gate_up's split arrivals: one counter per (group, column tile) at any plan's tiles.
+        most = max(p.groups for p in self.plans.values()) * -(-self.inter // 16)
+        self._gate_up_counts = torch.zeros(most, dtype=torch.int32, device=self._device)
         self._arrivals = torch.zeros(1, dtype=torch.int32, device=self._device)
         self._ready: set[int] = set()
 
@@ -333,11 +337,19 @@ class MegaExperts:
 
         p, pdl = self.plans[b.m], self._pdl
         w13_off, s13_off = self.shared_offsets[:2]
-        gate_up_kernel[(self.inter // p.bn_gate_up, p.groups)](
+        rows, split = b.act.shape[0], p.split_gate_up
+        k_blocks = self.hidden // GROUP
+        if k_blocks % split or (k_blocks // split) % p.blocks:
+            raise ValueError(f"{type(self).__name__}: gate_up split {split} x {p.blocks} K "
+                             f"blocks a step does not tile {k_blocks} K blocks")  # fmt: skip
+        part = b.act if split == 1 else torch.empty(
+            split, rows, 2 * self.inter, dtype=torch.float32, device=self._device
+        )  # fmt: skip
+        gate_up_kernel[(self.inter // p.bn_gate_up, p.groups, split)](
             b.xq, b.xs, self.w13, self.w13_scale, b.act, b.group[0], b.group[1], b.group[2],
-            b.row_token, b.m, self.num_experts, self.hidden, self.inter, w13_off, s13_off,
-            self.limit,
-            BM=p.bm, BN=p.bn_gate_up, KB=p.blocks, SCALE_E8M0=self.scale_e8m0,
+            b.row_token, part, self._gate_up_counts, b.m, self.num_experts, self.hidden,
+            self.inter, w13_off, s13_off, self.limit, rows,
+            BM=p.bm, BN=p.bn_gate_up, KB=p.blocks, SPLIT=split, SCALE_E8M0=self.scale_e8m0,
             INTERPRETER=self._interp, PDL=pdl, num_warps=p.warps,
             num_stages=p.stages_gate_up, launch_pdl=pdl,
         )  # fmt: skip

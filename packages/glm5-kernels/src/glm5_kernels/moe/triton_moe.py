@@ -305,14 +305,19 @@ def gate_up_kernel(
     w_ptr, ws_ptr,  # routed w13 [E, 2I, D] e4m3, scales [E, 2I/128, D/128]
     act_ptr,  # [rows, I] BF16 out: SwiGLU of each route row
     group_expert_ptr, group_row_ptr, group_count_ptr, row_token_ptr,
+    part_ptr,  # SPLIT > 1: [SPLIT, rows, 2I] FP32 scratch, each split's gate | up partials
+    count_ptr,  # SPLIT > 1: [G, I / BN] int32 arrival counters, zero between launches
     M, E, D, I, w_shared, ws_shared,  # shared expert: element offsets from w_ptr / ws_ptr
-    limit,
-    BM: tl.constexpr, BN: tl.constexpr, KB: tl.constexpr, SCALE_E8M0: tl.constexpr,
-    INTERPRETER: tl.constexpr, PDL: tl.constexpr,
+    limit, rows_total,
+    BM: tl.constexpr, BN: tl.constexpr, KB: tl.constexpr, SPLIT: tl.constexpr,
+    SCALE_E8M0: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """(Splitting K where few groups leave SMs idle was measured on the H200: 1.6 us faster
-    at one token, but the down kernel summing the partials lost 30 us.)"""
-    pid_n, group = tl.program_id(0), tl.program_id(1)
+    """SPLIT > 1 (few tokens: a CTA per column tile and expert streams too few bytes at a
+    time to fill HBM): SPLIT CTAs share a tile's K, each stores its FP32 partials, and the
+    last of them to arrive sums them in split order and applies the SwiGLU. (The split's
+    partials summed by the down kernel instead cost it 30 us on the H200: every down CTA
+    summed them again.)"""
+    pid_n, group, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if PDL:
         gdc_wait()
     e, w_off = _expert_base(group_expert_ptr, group, E, 2 * I * D, w_shared)
@@ -335,13 +340,14 @@ def gate_up_kernel(
         steps = tl.arange(0, KB)
         acc_g = tl.zeros([BN, BM], dtype=tl.float32)
         acc_u = tl.zeros([BN, BM], dtype=tl.float32)
-        k_tiles = D // 128
+        k_lo = split * (D // 128 // SPLIT)  # the plan makes each split a multiple of KB
+        k_hi = k_lo + D // 128 // SPLIT
         # Scales one step ahead (as the skinny FP8 GEMM does: an L2 round trip per step else).
-        sg_next = load_weight_scales(sg_row + steps, SCALE_E8M0)
-        su_next = load_weight_scales(su_row + steps, SCALE_E8M0)
-        sx_next = tl.load(xs_rows + steps[None, :], mask=in_rows[:, None], other=0.0)
-        for kb in range(0, k_tiles, KB):
-            after = tl.minimum(kb + KB, k_tiles - KB)
+        sg_next = load_weight_scales(sg_row + k_lo + steps, SCALE_E8M0)
+        su_next = load_weight_scales(su_row + k_lo + steps, SCALE_E8M0)
+        sx_next = tl.load(xs_rows + k_lo + steps[None, :], mask=in_rows[:, None], other=0.0)
+        for kb in range(k_lo, k_hi, KB):
+            after = tl.minimum(kb + KB, k_hi - KB)
             sg_step, su_step, sx_step = sg_next, su_next, sx_next
             sg_next = load_weight_scales(sg_row + after + steps, SCALE_E8M0)
             su_next = load_weight_scales(su_row + after + steps, SCALE_E8M0)
@@ -358,13 +364,36 @@ def gate_up_kernel(
                 acc_u += tl.dot(wu, tl.trans(xq)) * (sx * su)[None, :]
         if PDL:
             gdc_launch_dependents()
-        # vLLM's sequence: the gate_up output in BF16, clamped SwiGLU in FP32, stored in BF16.
-        gate = tl.minimum(narrow(acc_g, tl.bfloat16, INTERPRETER).to(tl.float32), limit)
-        up = narrow(acc_u, tl.bfloat16, INTERPRETER).to(tl.float32)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        act = narrow(gate * tl.sigmoid(gate) * up, tl.bfloat16, INTERPRETER)
         out = act_ptr + (row0 + offs_m)[None, :] * I + offs_n[:, None]
-        tl.store(out, act, mask=in_rows[None, :])
+        if SPLIT == 1:
+            tl.store(out, _swiglu(acc_g, acc_u, limit, INTERPRETER), mask=in_rows[None, :])
+        else:
+            part = part_ptr + (row0 + offs_m)[None, :] * (2 * I) + offs_n[:, None]
+            mine = part + split * rows_total * (2 * I)
+            tl.store(mine, acc_g, mask=in_rows[None, :])
+            tl.store(mine + I, acc_u, mask=in_rows[None, :])
+            # Every thread's partials are stored before the one thread issuing the arrival.
+            tl.debug_barrier()
+            counter = count_ptr + group * tl.num_programs(0) + pid_n
+            if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1:
+                gate = tl.zeros([BN, BM], dtype=tl.float32)
+                up = tl.zeros([BN, BM], dtype=tl.float32)
+                for s in tl.static_range(SPLIT):  # split order: the same sum every launch
+                    # .cg: the other CTAs' partials are in L2, not in this SM's L1.
+                    at = part + s * rows_total * (2 * I)
+                    gate += tl.load(at, mask=in_rows[None, :], other=0.0, cache_modifier=".cg")
+                    up += tl.load(at + I, mask=in_rows[None, :], other=0.0, cache_modifier=".cg")
+                tl.store(out, _swiglu(gate, up, limit, INTERPRETER), mask=in_rows[None, :])
+                tl.atomic_xchg(counter, 0)
+
+
+@triton.jit
+def _swiglu(gate, up, limit, INTERPRETER: tl.constexpr):
+    """vLLM's sequence: the gate_up output in BF16, clamped SwiGLU in FP32, stored in BF16."""
+    gate = tl.minimum(narrow(gate, tl.bfloat16, INTERPRETER).to(tl.float32), limit)
+    up = narrow(up, tl.bfloat16, INTERPRETER).to(tl.float32)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    return narrow(gate * tl.sigmoid(gate) * up, tl.bfloat16, INTERPRETER)
 
 
 @triton.jit(do_not_specialize=["M", "G"])
