@@ -153,7 +153,7 @@ def moe_cases(arch: int) -> int:
                                       "SPLIT": p.split_gate_up, **common},
                      p.warps, p.stages_gate_up),
                     (down_kernel, {"BM": p.bm, "BN": p.bn_down, "NT": p.tiles_down,
-                                   "BT": max(2, next_pow2(m)), "TOP_K": 8,
+                                   "BT": max(2, next_pow2(m)), "TOP_K": 8, "KP": 8,
                                    "UE8M0": e8m0, "FINALIZE": m != 1, "PREFETCH": 2, "SHARED": True,
                                    **common},
                      p.warps, p.stages_down),

@@ -365,6 +365,7 @@ class MegaExperts:
             b.group[2], b.route_row, b.weights, m, self.num_experts, self.hidden, self.inter,
             w2_off, s2_off, out.stride(0), p.groups,
             BM=p.bm, BN=p.bn_down, NT=p.tiles_down, BT=max(2, next_pow2(m)), TOP_K=self.top_k,
+            KP=next_pow2(self.top_k),
             SCALE_E8M0=self.scale_e8m0, UE8M0=self.ue8m0, FINALIZE=b.finalize,
             INTERPRETER=self._interp, PDL=pdl, PREFETCH=2 if pdl else 0, SHARED=self.shared,
             num_warps=p.warps, num_stages=p.stages_down, launch_pdl=pdl,

@@ -407,7 +407,7 @@ def down_kernel(
     route_row_ptr, weights_ptr,  # [M, TOP_K]
     M, E, D, I, w_shared, ws_shared, stride_om, G,
     BM: tl.constexpr, BN: tl.constexpr, NT: tl.constexpr, BT: tl.constexpr,
-    TOP_K: tl.constexpr, SCALE_E8M0: tl.constexpr, UE8M0: tl.constexpr,
+    TOP_K: tl.constexpr, KP: tl.constexpr, SCALE_E8M0: tl.constexpr, UE8M0: tl.constexpr,
     FINALIZE: tl.constexpr, INTERPRETER: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     SHARED: tl.constexpr = True,
 ):  # fmt: skip
@@ -416,20 +416,29 @@ def down_kernel(
     pid_n, group = tl.program_id(0), tl.program_id(1)
     n0 = pid_n * BN * NT
     offs_k = tl.arange(0, 128)
-    # The groups were written two launches back (the routing kernel had finished before
-    # gate_up could release this launch), so this CTA's expert is known before the wait:
-    # warm L2 with its first weight lines while gate_up drains.
+    # The routing was written two launches back (the routing kernel had finished before
+    # gate_up could release this launch), so this CTA's expert, rows and the finalization's
+    # routes are read before the wait, off the chain that follows it; and L2 is warmed with
+    # the expert's first weight lines while gate_up drains.
     e, w_off = _expert_base(group_expert_ptr, group, E, D * I, w_shared)
+    s_off = tl.where(e == E, ws_shared, e.to(tl.int64) * ((D // 128) * (I // 128)))
+    row0 = tl.load(group_row_ptr + group)
+    count = tl.load(group_count_ptr + group)
     w_rows = w_ptr + w_off + (n0 + tl.arange(0, BN))[:, None] * I
+    tokens = tl.arange(0, BT)
+    live = tokens < M
+    kcols = tl.arange(0, KP)
+    if FINALIZE:  # every token's routes: row and weight, [BT, KP]
+        at = tokens[:, None] * TOP_K + kcols[None, :]
+        routes = live[:, None] & (kcols < TOP_K)[None, :]
+        route_rows = tl.load(route_row_ptr + at, mask=routes, other=-1)
+        route_weights = tl.load(weights_ptr + at, mask=routes, other=0.0)
     if PDL:
         if PREFETCH > 0 and e >= 0:
             lines = tl.minimum(tl.arange(0, PREFETCH) * 128, I - 1)
             prefetch_l2(w_rows + lines[None, :])
         gdc_wait()
     if e >= 0:
-        _, s_off = _expert_base(group_expert_ptr, group, E, (D // 128) * (I // 128), ws_shared)
-        row0 = tl.load(group_row_ptr + group)
-        count = tl.load(group_count_ptr + group)
         offs_m = tl.arange(0, BM)
         in_rows = offs_m < count
         k_tiles = I // 128
@@ -457,14 +466,14 @@ def down_kernel(
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
         if arrived == G - 1:
-            tokens = tl.arange(0, BT)
-            live = tokens < M
             for tile in range(NT):
                 offs_n = n0 + tile * BN + tl.arange(0, BN)
                 routed = tl.zeros([BT, BN], dtype=tl.float32)
                 for j in tl.static_range(TOP_K):
-                    r = tl.load(route_row_ptr + tokens * TOP_K + j, mask=live, other=-1)
-                    w = tl.load(weights_ptr + tokens * TOP_K + j, mask=live, other=0.0)
+                    # Route j's column: the one value where the column is j (plus zeros: exact).
+                    r = tl.sum(tl.where(kcols[None, :] == j, route_rows, 0), axis=1)
+                    r = tl.where(live, r, -1)
+                    w = tl.sum(tl.where(kcols[None, :] == j, route_weights, 0.0), axis=1)
                     # .cg: the other CTAs' rows are in L2, not in this SM's L1.
                     y = tl.load(
                         rows_ptr + r[:, None] * D + offs_n[None, :], mask=(r >= 0)[:, None],
