@@ -3,6 +3,7 @@ ptxas) and check what the PTX must contain. Run as `python compile_cases.py 90|1
 suite runs it in a child process, because under TRITON_INTERPRET=1 kernels cannot compile."""
 
 import os
+import re
 import sys
 
 import triton
@@ -15,8 +16,10 @@ from glm5_kernels.gemm.triton_skinny import (
     quantize_tokens_kernel,
 )
 
-# Pointers and the sizes Triton sees divisible by 16 at real shapes (it specializes on that).
-ALIGNED = {"N", "K", "stride_xm", "stride_om", "D", "I", "stride_lm"}
+# Pointers and the sizes Triton sees divisible by 16 at real shapes (it specializes on that;
+# w_shared, the shared expert's offset from the routed stack in bytes, is a multiple of the
+# allocator's alignment: without it the expert kernels' weight loads are single bytes).
+ALIGNED = {"N", "K", "stride_xm", "stride_om", "D", "I", "stride_lm", "w_shared"}
 INTS = {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_om", "K_TILES", "n_block")}
 COMMON = {"INTERPRETER": False, "PDL": True, "PREFETCH": 4}
 
@@ -41,6 +44,21 @@ def _before_wait(ptx: str, name: str) -> None:
     assert "cp.async" not in before, f"{name}: a pipelined load before the PDL wait"
     if name in NOTHING_BEFORE_WAIT:
         assert "ld.global" not in before, f"{name}: a global load before the PDL wait"
+
+
+def _spill_bytes(ptx: str, arch: int) -> int:
+    """Bytes ptxas (Triton's own) spills to local memory compiling ptx."""
+    import subprocess
+    import tempfile
+
+    nvidia = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptxas = os.path.join(nvidia, "ptxas" if arch < 100 else "ptxas-blackwell")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        done = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", f.name, "-o", os.devnull],
+                              capture_output=True, text=True, check=True)  # fmt: skip
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", done.stderr))
 
 
 def _compile(kernel, types: dict, constexprs: dict, arch: int, **options) -> str:
@@ -182,6 +200,10 @@ def moe_cases(arch: int) -> int:
                     seen.add(key)
                     ptx = _compile(kernel, types, constexprs, arch, num_warps=warps,
                                    num_stages=stages)  # fmt: skip
+                    # The experts' streaming loops in registers, not local memory: a spill
+                    # there costs more than the tile saves.
+                    if kernel in (gate_up_kernel, down_kernel):
+                        assert _spill_bytes(ptx, arch) == 0, (key, "spills")
                     if arch == 90 and kernel is router_route_kernel:  # a 16-row MMA, no wgmma
                         assert "mma" in ptx and "griddepcontrol.wait" in ptx, key
                     elif arch == 90 and kernel is not route_kernel:

@@ -428,7 +428,10 @@ def down_kernel(
     tokens = tl.arange(0, BT)
     live = tokens < M
     kcols = tl.arange(0, KP)
-    if FINALIZE:  # every token's routes: row and weight, [BT, KP]
+    # Every token's routes (row, weight) early where they are a few registers (at 64 tokens
+    # the [BT, KP] tiles took the kernel from 186 registers to 255 and a spill).
+    EARLY: tl.constexpr = FINALIZE and BT * KP <= 128
+    if EARLY:
         at = tokens[:, None] * TOP_K + kcols[None, :]
         routes = live[:, None] & (kcols < TOP_K)[None, :]
         route_rows = tl.load(route_row_ptr + at, mask=routes, other=-1)
@@ -470,10 +473,13 @@ def down_kernel(
                 offs_n = n0 + tile * BN + tl.arange(0, BN)
                 routed = tl.zeros([BT, BN], dtype=tl.float32)
                 for j in tl.static_range(TOP_K):
-                    # Route j's column: the one value where the column is j (plus zeros: exact).
-                    r = tl.sum(tl.where(kcols[None, :] == j, route_rows, 0), axis=1)
-                    r = tl.where(live, r, -1)
-                    w = tl.sum(tl.where(kcols[None, :] == j, route_weights, 0.0), axis=1)
+                    if EARLY:  # route j's column: its one value plus zeros, exactly it
+                        r = tl.sum(tl.where(kcols[None, :] == j, route_rows, 0), axis=1)
+                        r = tl.where(live, r, -1)
+                        w = tl.sum(tl.where(kcols[None, :] == j, route_weights, 0.0), axis=1)
+                    else:
+                        r = tl.load(route_row_ptr + tokens * TOP_K + j, mask=live, other=-1)
+                        w = tl.load(weights_ptr + tokens * TOP_K + j, mask=live, other=0.0)
                     # .cg: the other CTAs' rows are in L2, not in this SM's L1.
                     y = tl.load(
                         rows_ptr + r[:, None] * D + offs_n[None, :], mask=(r >= 0)[:, None],
