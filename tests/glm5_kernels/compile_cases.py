@@ -47,17 +47,17 @@ def _before_wait(ptx: str, name: str) -> None:
 
 
 def _spill_bytes(ptx: str, arch: int) -> int:
-    """Bytes ptxas (Triton's own) spills to local memory compiling ptx."""
+    """Bytes spilled to local memory compiling ptx, by the ptxas Triton itself runs for arch."""
     import subprocess
     import tempfile
 
-    nvidia = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    ptxas = os.path.join(nvidia, "ptxas" if arch < 100 else "ptxas-blackwell")
+    from triton.backends.nvidia.compiler import get_ptxas
+
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()
-        done = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", f.name, "-o", os.devnull],
-                              capture_output=True, text=True, check=True)  # fmt: skip
+        done = subprocess.run([get_ptxas(arch).path, f"-arch=sm_{arch}a", "-v", f.name, "-o",
+                               os.devnull], capture_output=True, text=True, check=True)  # fmt: skip
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", done.stderr))
 
 
@@ -124,7 +124,7 @@ def fp8_cases(arch: int) -> int:
 
 def moe_cases(arch: int) -> int:
     """The MoE stage's kernels with the tiles its plans pick at the real shapes (288
-    experts, top-8, hidden 4096; TP 1 and TP 4 ranks; per-route and grouped; 1, 8, 64
+    experts, top-8, hidden 4096; TP 1, 4 and 8 ranks; per-route and grouped; 1, 8, 64
     tokens; the router GEMM inside the routing launch on the Router's tiles), each distinct
     configuration once."""
     from types import SimpleNamespace
@@ -151,7 +151,7 @@ def moe_cases(arch: int) -> int:
     ptrs |= {"gate_ptr": "*bf16", "part_ptr": "*fp32", "K_TILES": "i32"}
     seen: set = set()
     for cls in (MegaExperts, GroupedExperts):
-        for tp in (1, 4):
+        for tp in (1, 4, 8):
             shape = SimpleNamespace(
                 top_k=8, num_experts=288, hidden=4096, inter=2048 // tp,
                 chunk_tokens=cls.chunk_tokens, shared=True,

@@ -160,7 +160,12 @@ class MegaExperts:
         two where I has only 4 K blocks and the groups are many (64 tokens: 5 % faster, at
         1-8 tokens 1-10 % slower); routing on 4 warps (one: 25 % slower), the tokens
         quantized by programs beside the routing ones (H100, TP 4 and 8 ranks, 1-8 tokens:
-        the routing launch 7.6-8.3 -> 6.1-6.6 us, benchmarks/results/moe_sweep_h100.json)."""
+        the routing launch 7.6-8.3 -> 6.1-6.6 us, benchmarks/results/moe_sweep_h100.json).
+        H200 sweep at TP 4 / 8 ranks, 1-8 tokens (moe_sweep_h200.json): gate_up's K split
+        over 4 CTAs a tile where the grid is a quarter wave (TP 8, one token: 36 CTAs, 13.8
+        -> 10.6 us), over 2 where it is half of one (TP 8, 2 tokens 15.1 -> 14.5; TP 4, one
+        token 15.3 -> 15.0), and not where it fills one (2-9 us slower); down on two column
+        tiles a CTA where I has only 2 K blocks (TP 8) from 2 tokens (8-15 % faster)."""
         k, e, d, i = self.top_k, self.num_experts, self.hidden, self.inter
         chunk = m if self.chunk_tokens is None else min(self.chunk_tokens, m)
         # Groups: the shared expert's, one per touched expert, and the extra ones of experts
@@ -171,8 +176,12 @@ class MegaExperts:
         bn = next(b for b in (64, 32, 16) if i % b == 0)
         blocks = 2 if (d // GROUP) % 2 == 0 and bm < 64 else 1
         bn_down = next(b for b in (64, 32, 16) if d % b == 0)
-        tiles = 2 if i // GROUP <= 4 and m > 16 and d % (2 * bn_down) == 0 else 1
-        return _Plan(chunk, groups, bm, bn, bn_down, blocks, tiles)
+        few_k = (i // GROUP <= 2 and m > 1) or (i // GROUP <= 4 and m > 16)
+        tiles = 2 if few_k and d % (2 * bn_down) == 0 else 1
+        ctas, k_blocks = (i // bn) * groups, d // GROUP
+        split = next((s for s in (4, 2) if s * ctas <= 1.25 * sms and k_blocks % (s * blocks) == 0),
+                     1)  # fmt: skip
+        return _Plan(chunk, groups, bm, bn, bn_down, blocks, tiles, split_gate_up=split)
 
     def supports(self, m: int) -> bool:
         return 1 <= m <= self.max_tokens
