@@ -1,5 +1,6 @@
 """The MoE stage on the GPU at the real GLM-5.3-Flash shapes (288 experts, top-8, hidden 4096,
-TP 1 and TP 4 ranks' moe_intermediate): every routing case at token counts on and off the
+TP 1, 4 and 8 ranks' moe_intermediate: at TP 8 gate_up splits K at 1-2 tokens and down
+takes two column tiles a CTA): every routing case at token counts on and off the
 grids, both paths, FP32 and UE8M0 scales, NaN-poisoned outputs; CUDA-graph capture after
 prepare() and the error for an unprepared token count."""
 
@@ -25,8 +26,8 @@ E, D, K, LIMIT, SCALING = 288, 4096, 8, 10.0, 2.5
 TOKENS = [1, 2, 3, 4, 8, 13, 16, 32, 47, 64]
 
 
-@pytest.fixture(scope="module", params=[(4, False), (1, False), (4, True)],
-                ids=["tp4", "tp1", "tp4-ue8m0"])  # fmt: skip
+@pytest.fixture(scope="module", params=[(4, False), (1, False), (4, True), (8, False)],
+                ids=["tp4", "tp1", "tp4-ue8m0", "tp8"])  # fmt: skip
 def stage(request):
     tp, e8m0 = request.param
     gen = torch.Generator("cuda").manual_seed(tp)
