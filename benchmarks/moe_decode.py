@@ -38,6 +38,7 @@ import argparse
 import json
 import time
 from dataclasses import replace
+from functools import partial
 
 import torch
 from provenance import floor_bandwidth, provenance, result_args, write_result
@@ -207,13 +208,15 @@ def sweep(path_ops, router_ops, xs, logits, m: int, floors: dict[str, float]) ->
            {"split_gate_up": 4, "stages_gate_up": 4}, {"split_gate_up": 2, "bn_gate_up": 32},
            {"split_gate_up": 4, "blocks": 1}],
         "down": each("tiles_down", (1, 2, 4)) + each("stages_down", (2, 3, 4)),
+        # The three launches together: what a change of one does to the next one's start.
+        "layer": each("release_early", (False, True)),
     }  # fmt: skip
     plan = path_ops[0].plans[m]
     for kernel, changes in variants.items():
 
         def timed(iters: int, kernel: str = kernel) -> float:
             bs = buffers()
-            fns = [getattr(op, f"_{kernel}") for op in path_ops]
+            fns = [getattr(op, f"_{kernel}", None) or partial(_layer, op) for op in path_ops]
             return graph_calls_us(
                 [lambda f=f, b=b: f(b) for f, b in zip(fns, bs, strict=True)], iters
             )
@@ -235,6 +238,13 @@ def sweep(path_ops, router_ops, xs, logits, m: int, floors: dict[str, float]) ->
         out[f"{kernel}_variants"] = tried
     out["plan"] = vars(plan)
     return out
+
+
+def _layer(op, b) -> None:
+    """The routing, gate_up and down launches of one layer (the sweep's "layer")."""
+    op._route(b)
+    op._gate_up(b)
+    op._down(b)
 
 
 def side(path: str) -> bool:

@@ -166,7 +166,8 @@ def moe_cases(arch: int) -> int:
                                     "BR": max(2, next_pow2(m * 8)), "BE": 512, "ROUTE": m != 8,
                                     "UE8M0": e8m0, "QUANT_GROUPS": 8, "INTERPRETER": False,
                                     "PDL": True, "SHARED": True,
-                                    "QUANT_APART": p.quantize_apart and m != 1}, p.warps_route, 1),
+                                    "QUANT_APART": p.quantize_apart and m != 1,
+                                    "RELEASE_EARLY": p.release_early}, p.warps_route, 1),
                     (gate_up_kernel, {"BM": p.bm, "BN": p.bn_gate_up, "KB": p.blocks,
                                       "SPLIT": p.split_gate_up, **common},
                      p.warps, p.stages_gate_up),
@@ -186,10 +187,13 @@ def moe_cases(arch: int) -> int:
                         "PREFETCH": t.prefetch, "SHARED": True,
                         "QUANT_APART": p.quantize_apart and m != 1},
                         t.warps, t.stages))  # fmt: skip
-                if m == 1:  # gate_up's K split over 4 CTAs a tile (the sweep's variant)
+                if m == 1:  # the sweep's variants: gate_up's K split over 4 CTAs a tile,
+                    # the routing launch releasing gate_up right after its wait
                     cases.append((gate_up_kernel, {"BM": p.bm, "BN": p.bn_gate_up,
                                                    "KB": p.blocks, "SPLIT": 4, **common},
                                   p.warps, p.stages_gate_up))  # fmt: skip
+                    cases.append((route_kernel, {**cases[0][1], "RELEASE_EARLY": True},
+                                  p.warps_route, 1))  # fmt: skip
                 if m == 8 and tp == 4:  # the shared expert beside the launches (shared=None)
                     cases += [(k, {**c, "SHARED": False}, w, st) for k, c, w, st in cases
                               if k is not gate_up_kernel]  # fmt: skip
@@ -204,6 +208,11 @@ def moe_cases(arch: int) -> int:
                     # there costs more than the tile saves.
                     if kernel in (gate_up_kernel, down_kernel):
                         assert _spill_bytes(ptx, arch) == 0, (key, "spills")
+                    if constexprs.get("RELEASE_EARLY"):  # released after the wait, once
+                        wait = ptx.find("griddepcontrol.wait")
+                        release = ptx.find("griddepcontrol.launch_dependents")
+                        assert 0 <= wait < release, key
+                        assert ptx.count("griddepcontrol.launch_dependents") == 1, key
                     if arch == 90 and kernel is router_route_kernel:  # a 16-row MMA, no wgmma
                         assert "mma" in ptx and "griddepcontrol.wait" in ptx, key
                     elif arch == 90 and kernel is not route_kernel:

@@ -172,3 +172,35 @@ def test_shared_expert_beside_in_a_graph(stage):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, eager), m
+
+
+def test_routing_released_early_in_a_graph(stage):
+    """The routing launch releasing gate_up right after its PDL wait (plan release_early):
+    gate_up's CTAs wait at their own wait for the whole routing launch, so a captured
+    layer replays the plain plan's output bit for bit, replay after replay on new tokens."""
+    from dataclasses import replace
+
+    _, _, _, ops = stage
+    op = ops[MegaExperts]
+    gen = torch.Generator("cuda").manual_seed(29)
+    router = Router((torch.randn(E, D, generator=gen, device="cuda") / D**0.5).bfloat16())
+    for m in (1, 8):
+        layer = MoeLayer(router, {m: op})
+        layer.prepare([m])
+        xs = [torch.randn(m, D, generator=gen, device="cuda").bfloat16() for _ in range(3)]
+        want = [layer(x) for x in xs]
+        plain = op.plans[m]
+        op.plans[m] = replace(plain, release_early=True)
+        try:
+            assert torch.equal(layer(xs[0]), want[0]), m  # eager (and compiled) first
+            x = xs[0].clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y = layer(x)
+            for new, expected in zip(xs, want, strict=True):
+                x.copy_(new)
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(y, expected), m
+        finally:
+            op.plans[m] = plain

@@ -84,6 +84,7 @@ class _Plan:
     # router_route_kernel's after the router tiles').
     quantize_apart: bool = True
     split_gate_up: int = 1  # gate_up: CTAs sharing a column tile's K (the last one's SwiGLU)
+    release_early: bool = False  # the routing launch releases gate_up right after its wait
 
 
 class MegaExperts:
@@ -312,8 +313,8 @@ class MegaExperts:
             MAX_CHUNKS=-(-m // p.chunk), TOP_K=self.top_k, KP=next_pow2(self.top_k),
             BR=max(2, next_pow2(m * self.top_k)), BE=next_pow2(self.num_experts + 1), ROUTE=b.route,
             UE8M0=self.ue8m0, QUANT_GROUPS=QUANT_GROUPS, INTERPRETER=self._interp, PDL=pdl,
-            SHARED=self.shared, QUANT_APART=p.quantize_apart, num_warps=p.warps_route,
-            launch_pdl=pdl,
+            SHARED=self.shared, QUANT_APART=p.quantize_apart, RELEASE_EARLY=p.release_early,
+            num_warps=p.warps_route, launch_pdl=pdl,
         )  # fmt: skip
 
     def _route_gated(self, b: SimpleNamespace, gate: Router) -> None:

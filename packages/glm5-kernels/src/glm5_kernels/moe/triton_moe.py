@@ -128,15 +128,20 @@ def route_kernel(
     TOP_K: tl.constexpr, KP: tl.constexpr, BR: tl.constexpr, BE: tl.constexpr,
     ROUTE: tl.constexpr, UE8M0: tl.constexpr, QUANT_GROUPS: tl.constexpr,
     INTERPRETER: tl.constexpr, PDL: tl.constexpr, SHARED: tl.constexpr = True,
-    QUANT_APART: tl.constexpr = False,
+    QUANT_APART: tl.constexpr = False, RELEASE_EARLY: tl.constexpr = False,
 ):  # fmt: skip
     """Program t < M picks token t's routes and quantizes the token, or (QUANT_APART) leaves
     that to programs M.. (QUANT_GROUPS groups of one token each: the routing program's
     dependent chain is then the pick alone); the last program to finish lays the routes
-    out (`_lay_out`)."""
+    out (`_lay_out`). RELEASE_EARLY: the expert kernel released right after the wait, so
+    its CTAs are resident at their own wait when the routes are laid out (a few programs
+    here: they take no SM the expert kernel needs); its wait still waits for this whole
+    launch to complete."""
     t = tl.program_id(0)
     if PDL:
         gdc_wait()
+        if RELEASE_EARLY:
+            gdc_launch_dependents()
     if QUANT_APART and t >= M:
         per_token = tl.cdiv(D // 128, QUANT_GROUPS)
         q = t - M
@@ -176,7 +181,7 @@ def route_kernel(
         _lay_out(ids_ptr, route_row_ptr, group_expert_ptr, group_row_ptr, group_count_ptr,
                  row_token_ptr, M, E, G, CHUNK, MAX_CHUNKS, TOP_K, BR, BE, SHARED)  # fmt: skip
         tl.atomic_xchg(count_ptr, 0)
-    if PDL:
+    if PDL and not RELEASE_EARLY:
         gdc_launch_dependents()
 
 
