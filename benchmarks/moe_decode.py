@@ -179,7 +179,8 @@ def fp8_layer_ref(x, bias, logits, experts, shared):
 
 def sweep(path_ops, router_ops, xs, logits, m: int, floors: dict[str, float]) -> dict:
     """Each launch of the layer timed alone (its inputs left by a full run), at the plan's
-    tile and at variants of it: where the time goes, and what the plan should pick."""
+    tile and at variants of it: where the time goes, and what the plan should pick; the
+    expert launches also L2-hot (`*_hot_us`)."""
 
     def buffers():  # a full run leaves every launch's inputs in place
         out = []
@@ -222,6 +223,12 @@ def sweep(path_ops, router_ops, xs, logits, m: int, floors: dict[str, float]) ->
             )
 
         out[f"{kernel}_us"] = timed(15)
+        if kernel in ("gate_up", "down"):
+            # The same layer's launch back to back: its weights L2-resident after the first
+            # (tens of MB at TP 4 / 8). Near the cold time, the launch waits on latency, not
+            # on HBM.
+            b0, f0 = buffers()[0], getattr(path_ops[0], f"_{kernel}")
+            out[f"{kernel}_hot_us"] = graph_calls_us([partial(f0, b0)] * len(path_ops), 15)
         out[f"{kernel}_floor_us"] = floors.get(kernel)
         tried = []
         for change in changes:
