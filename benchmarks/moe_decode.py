@@ -207,13 +207,13 @@ def sweep(path_ops, router_ops, xs, logits, m: int, floors: dict[str, float]) ->
         # waits on its own latencies (Nsight: 4.6 cycles an instruction at 4 warps).
         "gate_up": each("stages_gate_up", (2, 3, 4)) + each("blocks", (1, 2, 4))
         + each("bn_gate_up", (16, 32, 64)) + each("split_gate_up", (1, 2, 4, 8))
-        + each("warps", (4, 8))
+        + each("warps_gate_up", (4, 8))
         + [{"blocks": 4, "stages_gate_up": 2}, {"split_gate_up": 2, "stages_gate_up": 4},
            {"split_gate_up": 4, "stages_gate_up": 4}, {"split_gate_up": 2, "bn_gate_up": 32},
-           {"split_gate_up": 4, "blocks": 1}, {"warps": 8, "split_gate_up": 1},
-           {"warps": 8, "split_gate_up": 2}, {"warps": 8, "stages_gate_up": 4}],
+           {"split_gate_up": 4, "blocks": 1}, {"warps_gate_up": 8, "split_gate_up": 1},
+           {"warps_gate_up": 8, "split_gate_up": 2}, {"warps_gate_up": 8, "stages_gate_up": 4}],
         "down": each("tiles_down", (1, 2, 4)) + each("stages_down", (2, 3, 4))
-        + each("warps", (4, 8)),
+        + each("warps_down", (4, 8)),
         # The three launches together: what a change of one does to the next one's start.
         "layer": each("release_early", (False, True)),
     }  # fmt: skip

@@ -170,12 +170,12 @@ def moe_cases(arch: int) -> int:
                                     "RELEASE_EARLY": p.release_early}, p.warps_route, 1),
                     (gate_up_kernel, {"BM": p.bm, "BN": p.bn_gate_up, "KB": p.blocks,
                                       "SPLIT": p.split_gate_up, **common},
-                     p.warps, p.stages_gate_up),
+                     p.warps_gate_up, p.stages_gate_up),
                     (down_kernel, {"BM": p.bm, "BN": p.bn_down, "NT": p.tiles_down,
                                    "BT": max(2, next_pow2(m)), "TOP_K": 8, "KP": 8,
                                    "UE8M0": e8m0, "FINALIZE": m != 1, "PREFETCH": 2, "SHARED": True,
                                    **common},
-                     p.warps, p.stages_down),
+                     p.warps_down, p.stages_down),
                 ]  # fmt: skip
                 if cls is MegaExperts:  # fused_router: the Router's tile for m tokens
                     t = plan(m, 288, 4096, sms=132, fp8=False, pdl=True)
@@ -191,7 +191,7 @@ def moe_cases(arch: int) -> int:
                     # the routing launch releasing gate_up right after its wait
                     cases.append((gate_up_kernel, {"BM": p.bm, "BN": p.bn_gate_up,
                                                    "KB": p.blocks, "SPLIT": 4, **common},
-                                  p.warps, p.stages_gate_up))  # fmt: skip
+                                  p.warps_gate_up, p.stages_gate_up))  # fmt: skip
                     cases.append((route_kernel, {**cases[0][1], "RELEASE_EARLY": True},
                                   p.warps_route, 1))  # fmt: skip
                 if m == 8 and tp == 4:  # the shared expert beside the launches (shared=None)

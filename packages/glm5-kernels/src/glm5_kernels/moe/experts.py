@@ -78,7 +78,8 @@ class _Plan:
     tiles_down: int = 1  # down: BN-wide column tiles per CTA
     stages_gate_up: int = 3
     stages_down: int = 3
-    warps: int = 4
+    warps_gate_up: int = 4
+    warps_down: int = 4
     warps_route: int = 4
     # The routing launch's tokens quantized by programs of their own (route_kernel's, and
     # router_route_kernel's after the router tiles').
@@ -360,7 +361,7 @@ class MegaExperts:
             b.row_token, part, self._gate_up_counts, b.m, self.num_experts, self.hidden,
             self.inter, w13_off, s13_off, self.limit, rows,
             BM=p.bm, BN=p.bn_gate_up, KB=p.blocks, SPLIT=split, SCALE_E8M0=self.scale_e8m0,
-            INTERPRETER=self._interp, PDL=pdl, num_warps=p.warps,
+            INTERPRETER=self._interp, PDL=pdl, num_warps=p.warps_gate_up,
             num_stages=p.stages_gate_up, launch_pdl=pdl,
         )  # fmt: skip
 
@@ -378,7 +379,7 @@ class MegaExperts:
             KP=next_pow2(self.top_k),
             SCALE_E8M0=self.scale_e8m0, UE8M0=self.ue8m0, FINALIZE=b.finalize,
             INTERPRETER=self._interp, PDL=pdl, PREFETCH=2 if pdl else 0, SHARED=self.shared,
-            num_warps=p.warps, num_stages=p.stages_down, launch_pdl=pdl,
+            num_warps=p.warps_down, num_stages=p.stages_down, launch_pdl=pdl,
         )  # fmt: skip
 
 
