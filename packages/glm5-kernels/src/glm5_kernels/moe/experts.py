@@ -167,7 +167,7 @@ class MegaExperts:
         over 4 CTAs a tile where the grid is a quarter wave (TP 8, one token: 36 CTAs, 13.8
         -> 10.6 us), over 2 where it is half of one (TP 8, 2 tokens 15.1 -> 14.5; TP 4, one
         token 15.3 -> 15.0), and not where it fills one (2-9 us slower); down on two column
-        tiles a CTA where I has only 2 K blocks (TP 8) from 2 tokens (8-15 % faster)."""
+        tiles a CTA where I has only 2 K blocks (TP 8) from 2 tokens (7-15 % faster)."""
         k, e, d, i = self.top_k, self.num_experts, self.hidden, self.inter
         chunk = m if self.chunk_tokens is None else min(self.chunk_tokens, m)
         # Groups: the shared expert's, one per touched expert, and the extra ones of experts
