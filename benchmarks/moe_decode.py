@@ -186,9 +186,7 @@ def sweep(path_ops, router_ops, xs, logits, m: int, floors: dict[str, float]) ->
         out = []
         for c, op in enumerate(path_ops):
             b = op._buffers(xs[c], m, logits[c], None, None, True, None)
-            op._route(b)
-            op._gate_up(b)
-            op._down(b)
+            _layer(op, b)
             out.append(b)
         return out
 

@@ -192,7 +192,8 @@ def moe_cases(arch: int) -> int:
                     cases.append((gate_up_kernel, {"BM": p.bm, "BN": p.bn_gate_up,
                                                    "KB": p.blocks, "SPLIT": 4, **common},
                                   p.warps_gate_up, p.stages_gate_up))  # fmt: skip
-                    cases.append((route_kernel, {**cases[0][1], "RELEASE_EARLY": True},
+                    route = next(c for k, c, _, _ in cases if k is route_kernel)
+                    cases.append((route_kernel, {**route, "RELEASE_EARLY": True},
                                   p.warps_route, 1))  # fmt: skip
                 if m == 8 and tp == 4:  # the shared expert beside the launches (shared=None)
                     cases += [(k, {**c, "SHARED": False}, w, st) for k, c, w, st in cases

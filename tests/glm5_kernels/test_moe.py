@@ -178,6 +178,17 @@ def test_every_tile_gives_the_same_rows(change, weights):
     assert_same_sum(op.finalized(x, logits), want)
 
 
+def _at_hidden(d: int, m: int, seed: int):
+    """A MegaExperts at hidden size d (FP32 scales) and m tokens with router logits:
+    (op, weights, x, logits, the generator for more inputs)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = moe_weights(E, d, I, "cpu", gen)
+    op = MegaExperts(*w[:4], bias=torch.zeros(E), shared=w[4], top_k=K, routed_scaling=SCALING,
+                     swiglu_limit=LIMIT)  # fmt: skip
+    x = torch.randn(m, d, generator=gen).bfloat16()
+    return op, w, x, torch.randn(m, E, generator=gen), gen
+
+
 @interpreter
 @pytest.mark.parametrize("m", [1, 3])
 def test_tokens_quantized_apart_are_the_same_tokens(m):
@@ -185,13 +196,7 @@ def test_tokens_quantized_apart_are_the_same_tokens(m):
     hidden size of 9 groups (two quantizing programs a token, the second's last 7 groups
     past the end): the layer's rows and outputs bit-equal to the routing programs
     quantizing their own token, routed here or given."""
-    d = 9 * 128
-    gen = torch.Generator().manual_seed(40 + m)
-    w = moe_weights(E, d, I, "cpu", gen)
-    op = MegaExperts(*w[:4], bias=torch.zeros(E), shared=w[4], top_k=K, routed_scaling=SCALING,
-                     swiglu_limit=LIMIT)  # fmt: skip
-    x = torch.randn(m, d, generator=gen).bfloat16()
-    logits = torch.randn(m, E, generator=gen)
+    op, _, x, logits, gen = _at_hidden(9 * 128, m, seed=40 + m)
     ids = torch.randint(0, E, (m, K), generator=gen, dtype=torch.int32)
     weights = torch.rand(m, K, generator=gen)
     inline = replace(op.plans[m], quantize_apart=False)
@@ -211,13 +216,7 @@ def test_gate_up_split_over_k(m, split, blocks):
     in split order and applies the SwiGLU), at 4 K blocks: rows and output within the bound
     of the reference, the same bits launch after launch, the arrival counters back at zero;
     a split that does not tile K is one clear error."""
-    d = 4 * 128
-    gen = torch.Generator().manual_seed(50 + m)
-    w = moe_weights(E, d, I, "cpu", gen)
-    op = MegaExperts(*w[:4], bias=torch.zeros(E), shared=w[4], top_k=K, routed_scaling=SCALING,
-                     swiglu_limit=LIMIT)  # fmt: skip
-    x = torch.randn(m, d, generator=gen).bfloat16()
-    logits = torch.randn(m, E, generator=gen)
+    op, w, x, logits, _ = _at_hidden(4 * 128, m, seed=50 + m)
     op.plans[m] = replace(op.plans[m], split_gate_up=split, blocks=blocks)
     rows = op(x, logits)
     ref = assert_rows_close(rows.rows, rows.route_row, x, rows.ids, rows.weights, w, LIMIT,

@@ -300,8 +300,13 @@ def router_route_kernel(
 def _expert_base(group_expert_ptr, group, E, stride_e, shared_offset):
     """(expert id, element offset of its tensor from the routed stack's base)."""
     e = tl.load(group_expert_ptr + group)
-    offset = tl.where(e == E, shared_offset, e.to(tl.int64) * stride_e)
-    return e, offset
+    return e, _expert_offset(e, E, stride_e, shared_offset)
+
+
+@triton.jit
+def _expert_offset(e, E, stride_e, shared_offset):
+    """Expert e's tensor as an element offset from the routed stack's base (E: the shared)."""
+    return tl.where(e == E, shared_offset, e.to(tl.int64) * stride_e)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -426,7 +431,7 @@ def down_kernel(
     # routes are read before the wait, off the chain that follows it; and L2 is warmed with
     # the expert's first weight lines while gate_up drains.
     e, w_off = _expert_base(group_expert_ptr, group, E, D * I, w_shared)
-    s_off = tl.where(e == E, ws_shared, e.to(tl.int64) * ((D // 128) * (I // 128)))
+    s_off = _expert_offset(e, E, (D // 128) * (I // 128), ws_shared)
     row0 = tl.load(group_row_ptr + group)
     count = tl.load(group_count_ptr + group)
     w_rows = w_ptr + w_off + (n0 + tl.arange(0, BN))[:, None] * I
