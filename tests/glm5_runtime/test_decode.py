@@ -203,6 +203,27 @@ def test_stages_a_whole_sublayer_stage_leaves_nothing_to_serve_are_named(caplog)
     assert {"router", "shared_expert"} <= set(some.stage_of.values())
 
 
+
+def test_a_sublayer_part_at_one_count_is_a_route_at_another():
+    """kda at 2 tokens and kda_proj at 4: o_proj is the KDA sublayer's part in the 2-token
+    step and kda_proj's route in the 4-token one. (Sublayer parts were once filtered by name
+    for every count: the 4-token step then ran o_proj and the input projection as stock
+    GEMMs, ~1 ms of the H200's 32- and 64-token TP-4 steps in `tune`'s confirmation.)"""
+    model = _model(_small())
+    policy = {**TRITON_STAGES, "kda": {"2": "fused"}, "kda_proj": {"1-64": "gemm"}}
+    decode = SpecializedDecode(ReferenceBackbone(model), DecodeConfig.build(
+        max_context=64, q=Q, capture_sizes=SIZES, policy=policy))  # fmt: skip
+    layer = next(i for i, t in enumerate(model.g.layer_types) if t == "linear_attention")
+    o_proj = f"layers.{layer}.self_attn.o_proj.weight"
+    routes = model.ranks[0].routes
+    with decode.installed(2):
+        assert o_proj not in routes  # the sublayer calls its own
+        assert decode.stage_of[id(decode._serving[0, o_proj])] == "kda"
+    with decode.installed(4):
+        assert decode.stage_of[id(routes[o_proj])] == "kda_proj"
+        assert (0, o_proj) not in decode._serving
+    assert o_proj not in routes
+
 def test_stage_that_cannot_build_warns_once_and_runs_stock(caplog):
     g = geometry("tiny")  # hidden 64: FP8 GEMMs need K % 128 == 0, so they cannot build
     model = _model(g)

@@ -130,10 +130,12 @@ class LayerStages:
         self.batches = sorted(batches)
         self.layers = list(layers)
         # token count -> [(shard, stock op name, stage op)] of that count's steps: installed
-        # in the backbone while a step runs, but for the whole sublayers in `sublayers` (the
-        # MLP stages' `layers.{i}.mlp`), which the layer loop calls itself.
+        # in the backbone while a step runs, but for the names in that count's `sublayers`
+        # (a whole sublayer's parts, e.g. the MLP stages' `layers.{i}.mlp`), which the layer
+        # loop calls itself. Per count: a name may be a sublayer's part at one count and a
+        # route at another (KDA's o_proj: the `kda` stage's at 1-16, `kda_proj`'s above).
         self.routes: dict[int, list[tuple[int, str, Any]]] = {b: [] for b in self.batches}
-        self.sublayers: set[str] = set()
+        self.sublayers: dict[int, set[str]] = {b: set() for b in self.batches}
         self._serving: dict[tuple[int, str], Any] = {}  # `installed`: the sublayers' ops
         # The step's last full indexer selection per shard, for the shared-indexer layers.
         self._selections: dict[int, Tensor] = {}
@@ -197,7 +199,7 @@ class LayerStages:
                 self.unserved[stage] = f"{served_by} serves its token counts {picked}"
             return
         routes, ops = {b: list(r) for b, r in self.routes.items()}, list(self.ops)
-        sublayers = set(self.sublayers)
+        sublayers = {b: set(names) for b, names in self.sublayers.items()}
         try:
             build(tokens)
         except Exception as e:  # any kernel build problem: the stock op is always right
@@ -216,8 +218,8 @@ class LayerStages:
         if name is not None:
             for b in tokens:
                 self.routes[b].append((shard, name, op))
-            if sublayer:
-                self.sublayers.add(name)
+                if sublayer:
+                    self.sublayers[b].add(name)
 
     def _projections(self, kind: str, names: Sequence[str]):
         # Where the backbone holds projections this stage serves in one fused weight (vLLM),
@@ -484,8 +486,9 @@ class LayerStages:
     def installed(self, tokens: int) -> Iterator[None]:
         """The stage ops serving `tokens`-token steps stand in for their stock ops: routed
         in the backbone, or (whole sublayers) called by `mlp`."""
-        routes = [r for r in self.routes.get(tokens, []) if r[1] not in self.sublayers]
-        serving = {(s, n): op for s, n, op in self.routes.get(tokens, []) if n in self.sublayers}
+        parts = self.sublayers.get(tokens, set())
+        routes = [r for r in self.routes.get(tokens, []) if r[1] not in parts]
+        serving = {(s, n): op for s, n, op in self.routes.get(tokens, []) if n in parts}
         for shard, name, op in routes:
             self.backbone.route(shard, name, op)
         saved, self._serving = self._serving, serving
