@@ -203,7 +203,6 @@ def test_stages_a_whole_sublayer_stage_leaves_nothing_to_serve_are_named(caplog)
     assert {"router", "shared_expert"} <= set(some.stage_of.values())
 
 
-
 def test_a_sublayer_part_at_one_count_is_a_route_at_another():
     """kda at 2 tokens and kda_proj at 4: o_proj is the KDA sublayer's part in the 2-token
     step and kda_proj's route in the 4-token one. (Sublayer parts were once filtered by name
@@ -223,6 +222,7 @@ def test_a_sublayer_part_at_one_count_is_a_route_at_another():
         assert decode.stage_of[id(routes[o_proj])] == "kda_proj"
         assert (0, o_proj) not in decode._serving
     assert o_proj not in routes
+
 
 def test_stage_that_cannot_build_warns_once_and_runs_stock(caplog):
     g = geometry("tiny")  # hidden 64: FP8 GEMMs need K % 128 == 0, so they cannot build
