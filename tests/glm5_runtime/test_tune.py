@@ -203,6 +203,14 @@ def test_markdown_and_show():
     assert "| 1 | 2.000 | 1.500 | +5.2 |" in shown
     assert "| 2 | 2.000 | 1.500 | – |" in shown  # a file from before the drift was kept
     assert shown.splitlines()[-1].startswith('policy: {"moe":{"1-64":"grouped"}')
+    assert "slower" not in shown
+    # Picks that interact across sizes: behind the start by more than the band at 32 only.
+    worse = {"table": text, "policy": policy_json(table, SIZES), "tie_band": {"32": 0.02},
+             "confirm": {"1": {"start_ms": 3.95, "tuned_ms": 3.79},
+                         "32": {"start_ms": 14.69, "tuned_ms": 15.77},
+                         "64": {"start_ms": 20.8, "tuned_ms": 21.0}}}  # fmt: skip
+    assert tune.slower(worse) == {"32": pytest.approx(15.77 / 14.69 - 1)}
+    assert "slower than the start at 32 tokens (+7.4 %)" in tune.show(worse)
 
 
 def test_a_run_cut_short_goes_on_from_its_last_checkpoint_to_the_same_table():

@@ -372,6 +372,18 @@ def resume_problem(saved: dict, args) -> str | None:
     return "a different step: " + "; ".join(differ) if differ else None
 
 
+def slower(result: dict) -> dict[str, float]:
+    """The token counts where a finished run's confirmation put the tuned table behind the
+    starting one by more than the tie band: count -> relative excess."""
+    band = result.get("tie_band", {})
+    out = {}
+    for m, c in result.get("confirm", {}).items():
+        excess = c["tuned_ms"] / c["start_ms"] - 1
+        if excess > band.get(m, TIE):
+            out[m] = excess
+    return out
+
+
 def summary(result: dict) -> str:
     """A results file for a README: what ran where, then `show`'s tables (an unfinished
     run: its measured stages, the rest as it started)."""
@@ -392,6 +404,11 @@ def show(result: dict) -> str:
                   "| ---: | ---: | ---: | ---: |"]  # fmt: skip
         lines += [f"| {m} | {c['start_ms']:.3f} | {c['tuned_ms']:.3f} | {drift(c)} |"
                   for m, c in result["confirm"].items()]  # fmt: skip
+        worse = slower(result)
+        if worse:  # each stage's pick was the fastest; together they are not: say so
+            lines += ["", "**The tuned table is slower than the start at " + ", ".join(
+                f"{m} tokens (+{100 * r:.1f} %)" for m, r in worse.items()) + "**: choices "
+                "that interact across token counts; do not ship it as it stands."]  # fmt: skip
     else:
         lines += ["| tokens | start ms |", "| ---: | ---: |"]
         lines += [f"| {m} | {ms:.3f} |" for m, ms in result["start_ms"].items()]
