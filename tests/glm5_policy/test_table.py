@@ -115,17 +115,19 @@ def test_default_tables_cover_every_stage_with_the_seeds_split(family):
     assert policy("moe", 1) == "per_route" and policy("moe", MAX_TOKENS) == "grouped"
     # SM90's table is the H200's `glm5-decode tune` results merged (checked in
     # tests/glm5_runtime/test_tune.py): in the whole step with vLLM's ops as the stock, the
-    # fused KDA step, the skinny LM head, and the router and shared-expert GEMMs (which the
-    # MoE stage runs inside its own launches wherever it serves) tie with stock, so stock
-    # runs. SM100's is the seeds' intent: the KDA and DSA stages stock until measured there;
-    # the seed's CuTe LM head is not built, so no table names it.
-    sm90_off, sm100_off = {"kda", "router", "shared_expert"}, {"kda", "dsa_attn", "dsa_indexer",
-                                                               "dsa_kpool"}  # fmt: skip
+    # skinny LM head, the one-launch embedding, and the router and shared-expert GEMMs (which
+    # the MoE stage runs inside its own launches wherever it serves) tie with stock, so stock
+    # runs; the fused KDA sublayer wins at 1-3 tokens (q = 4's run keeps it stock from 4).
+    # SM100's is the seeds' intent: the KDA and DSA stages stock until measured there; the
+    # seed's CuTe LM head is not built, so no table names it.
+    sm90_off, sm100_off = {"router", "shared_expert"}, {"kda", "dsa_attn", "dsa_indexer",
+                                                        "dsa_kpool"}  # fmt: skip
     off = {"logits_head", "embed"} | (sm90_off if family == "sm90" else sm100_off)
     assert {stage for stage in STAGES if not policy.enabled(stage)} == off
     if family == "sm90":
         dsa = {"dsa_attn": "sparse", "dsa_indexer": "fused", "dsa_kpool": "fused"}
         assert all(policy(stage, m) == c for stage, c in dsa.items() for m in (1, MAX_TOKENS))
+        assert [policy("kda", m) for m in (1, 2, 3, 4)] == ["fused"] * 3 + [None]
 
 
 @pytest.mark.parametrize(

@@ -287,6 +287,11 @@ def test_merge_keeps_what_every_result_picked_else_the_simplest_pick():
     assert [out("kda", m) for m in (1, 2, 3)] == ["fused", None, "fused"]
     assert {out("boundary", m) for m in range(1, 65)} == {"triton"}  # simpler than cute
     assert {out("logits_gather", m) for m in range(1, 65)} == {"nvlink"}
+    # A run speaks for the counts its sizes span: q = 4 from 4 tokens up has no say below.
+    from_4 = {**_result(q4, measured, q=4), "sizes": [4, 8, 16, 32, 64]}
+    out = Policy.from_json(tune.merged([_result(q1, measured), from_4]))
+    assert [out("kda", m) for m in (1, 2, 3, 4)] == ["fused"] * 4
+    assert [out("boundary", m) for m in (1, 3, 4, 64)] == ["cute", "cute", "triton", "triton"]
     # An unfinished result counts for the stages it measured only.
     cut = _result({**q1, "kda": dict.fromkeys(SIZES)}, ["moe"])
     assert Policy.from_json(tune.merged([_result(q1, measured), cut]))("kda", 1) == "fused"
@@ -302,9 +307,9 @@ def test_a_later_run_of_the_same_step_supersedes_the_stages_it_measured_again():
     assert out("moe", 1) == "grouped"  # measured only by the earlier run
     # Another q is another step: both picks count (stock, the simpler, where they differ).
     assert Policy.from_json(tune.merged([old, {**later, "q": 4}]))("kda", 1) is None
-    # A later run on fewer sizes does not stand for the earlier one's.
-    short = {**later, "sizes": [1, 2]}
-    assert Policy.from_json(tune.merged([old, short]))("kda", 1) is None
+    # A later run on fewer sizes stands for the earlier one's at the counts it spans only.
+    short = Policy.from_json(tune.merged([old, {**later, "sizes": [1, 2]}]))
+    assert [short("kda", m) for m in (1, 2, 3, 64)] == ["fused", "fused", None, None]
 
 
 def test_the_sm90_default_is_the_merge_of_the_h200_tune_results():

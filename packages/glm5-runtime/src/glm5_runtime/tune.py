@@ -94,32 +94,35 @@ def policy_json(table: Table, sizes: Sequence[int]) -> dict:
 
 def merged(results: Sequence[dict]) -> dict:
     """One table from several tune results (each q, each geometry a deployment serves): at
-    each token count 1..64 the choice every result that measured the stage picked, else the
-    simplest of their picks — a choice enters only where it was the best, or tied with it,
-    in every one. A stage no result measured: the same rule over the tables they ran. A
-    later run of the same step (geometry, q) on at least the same sizes supersedes an earlier
-    one's measurement of each stage it measured again (the code moved on in between). (The
-    SM90 default is this over the H200's results: tests/glm5_runtime/test_tune.py.)"""
+    each token count 1..64 the choice every result that measured the stage there picked,
+    else the simplest of their picks — a choice enters only where it was the best, or tied
+    with it, in every one. A result speaks for the counts its capture sizes span (its
+    smallest to its largest: a q = 4 run has no say at 1-3 tokens, which its deployment
+    never runs), and a later run of the same step (geometry, q) that measured the stage
+    again at a count speaks there instead of the earlier one (the code moved on in between).
+    A stage no result measured: the same rule over the tables they ran. (The SM90 default is
+    this over the H200's results: tests/glm5_runtime/test_tune.py.)"""
     counts = range(1, MAX_TOKENS + 1)
-    tables = [(_current(r, results), from_policy(Policy.from_json(r["policy"]), counts))
-              for r in results]  # fmt: skip
+    tables = [from_policy(Policy.from_json(r["policy"]), counts) for r in results]
+    spans = [range(min(r["sizes"]), max(r["sizes"]) + 1) for r in results]
+
+    def superseded(i: int, stage: str, m: int) -> bool:
+        r = results[i]
+        return any((o["geometry"], o["q"]) == (r["geometry"], r["q"]) and o["date"] > r["date"]
+                   and stage in o["stages"] and m in spans[j]
+                   for j, o in enumerate(results))  # fmt: skip
+
     table: Table = {}
     for stage in STAGES:
-        picks = [t[stage] for measured, t in tables if stage in measured]
-        picks = picks or [t[stage] for _, t in tables]  # not measured (`KEPT`): as they ran
+        measured = [i for i, r in enumerate(results) if stage in r["stages"]]
+        pool = measured or range(len(results))  # not measured (`KEPT`): as they ran
         order = candidates(stage)
-        table[stage] = {m: min((p[m] for p in picks), key=order.index, default=None)
-                        for m in counts}  # fmt: skip
+        table[stage] = {}
+        for m in counts:
+            speak = [i for i in pool if m in spans[i] and not superseded(i, stage, m)]
+            picks = [tables[i][stage][m] for i in (speak or pool)]
+            table[stage][m] = min(picks, key=order.index, default=None)
     return policy_json(table, counts)
-
-
-def _current(result: dict, results: Sequence[dict]) -> set[str]:
-    """The stages `result` measured that no later run of its step (on a later date, at
-    least its sizes) measured again."""
-    step = (result["geometry"], result["q"])
-    later = [r for r in results if (r["geometry"], r["q"]) == step and r["date"] > result["date"]
-             and set(r["sizes"]) >= set(result["sizes"])]  # fmt: skip
-    return {s for s in result["stages"] if not any(s in r["stages"] for r in later)}
 
 
 def from_policy(policy: Policy, sizes: Sequence[int]) -> Table:
