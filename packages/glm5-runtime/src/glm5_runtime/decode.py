@@ -333,9 +333,12 @@ class LayerStages:
                 conv, dt_bias, a_log, norm, in_proj, f_b, g_b, o_proj = w
                 for choice, counts in by_choice.items():
                     gates = {"f_b": f_b, "g_b": g_b} if choice == "fused_gates" else {}
+                    # A planned step holds q tokens a request (1: a decode), so the core
+                    # compiles its steps of up to q, not of every T up to 8 (prepare()).
                     core = KdaDecode(
                         conv.reshape(conv.shape[0], -1), dt_bias, a_log.reshape(-1), norm,
-                        lower_bound=b.kda.lower_bound, eps=b.kda.eps, **gates,
+                        lower_bound=b.kda.lower_bound, eps=b.kda.eps, max_tokens=self.q,
+                        **gates,
                     )  # fmt: skip
                     self._add(core, counts, shard, f"{p}.kda", sublayer=True)
                 parts = {"in_proj_qkvbfg_a.weight": (in_proj, tokens), "o_proj.weight":
