@@ -278,6 +278,9 @@ class MegaExperts:
         rows_total = m * k + (m if self.shared else 0)
         if finalize and out is None:
             out = torch.empty(m, d, dtype=torch.bfloat16, device=dev)
+        split = self.plans[m].split_gate_up  # gate_up's K split: each split's FP32 partials
+        part = None if split == 1 else torch.empty(split, rows_total, 2 * self.inter,
+                                                   dtype=torch.float32, device=dev)  # fmt: skip
         return SimpleNamespace(
             m=m, x=x, logits=logits, ids=ids, weights=weights, route=routed_here,
             finalize=finalize, out=out,
@@ -287,7 +290,7 @@ class MegaExperts:
             xq=torch.empty(m, d, dtype=torch.float8_e4m3fn, device=dev),
             xs=torch.empty(m, d // GROUP, dtype=torch.float32, device=dev),
             act=torch.empty(rows_total, self.inter, dtype=torch.bfloat16, device=dev),
-            rows=torch.empty(rows_total, d, dtype=torch.float32, device=dev),
+            rows=torch.empty(rows_total, d, dtype=torch.float32, device=dev), part=part,
         )  # fmt: skip
 
     def _run(self, x, m, logits, ids, weights, *, finalize: bool, out=None, gate=None):
@@ -353,9 +356,7 @@ class MegaExperts:
         if k_blocks % split or (k_blocks // split) % p.blocks:
             raise ValueError(f"{type(self).__name__}: gate_up split {split} x {p.blocks} K "
                              f"blocks a step does not tile {k_blocks} K blocks")  # fmt: skip
-        part = b.act if split == 1 else torch.empty(
-            split, rows, 2 * self.inter, dtype=torch.float32, device=self._device
-        )  # fmt: skip
+        part = b.act if b.part is None else b.part  # (unread without a split)
         gate_up_kernel[(self.inter // p.bn_gate_up, p.groups, split)](
             b.xq, b.xs, self.w13, self.w13_scale, b.act, b.group[0], b.group[1], b.group[2],
             b.row_token, part, self._gate_up_counts, b.m, self.num_experts, self.hidden,
