@@ -44,8 +44,11 @@ from glm5_runtime.vllm_stock import VllmKernels, kda_core
 K = V = 128
 W, LOWER_BOUND, EPS = 4, -5.0, 1e-5
 L2_BYTES = 50 << 20
-SWEEP = ((16, 1), (16, 2), (16, 4), (32, 1), (32, 2), (32, 4), (64, 4), (64, 8), (128, 4),
-         (128, 8), (128, 16))  # fmt: skip
+# (BV, warps, launches): one launch (the fused kernel), two (conv / norms / gates, then the
+# recurrence: slices of at most 16 rows a warp, beyond which its state spills).
+SWEEP = ((16, 1, 1), (16, 2, 1), (16, 4, 1), (32, 1, 1), (32, 2, 1), (32, 4, 1), (64, 4, 1),
+         (64, 8, 1), (128, 4, 1), (128, 8, 1), (128, 16, 1), (16, 1, 2), (16, 2, 2), (32, 2, 2),
+         (32, 4, 2), (64, 4, 2), (64, 8, 2), (128, 8, 2))  # fmt: skip
 
 
 def vllm_ops(folder: str) -> VllmKernels:
@@ -183,7 +186,7 @@ def case(op, vk, w, heads, r, q, bw, gen, sweep_tiles=()) -> dict:
     sweep = {}
     for tile in sweep_tiles:
         op.tile = tile
-        sweep[f"{tile[0]}x{tile[1]}"] = graph_calls_us(paths["ours"])
+        sweep["x".join(map(str, tile))] = graph_calls_us(paths["ours"])
     op.tile = None
     return {"heads": heads, "requests": r, "q": q, "us": us, "glm_us": glm_us, "fla_us": fla_us,
             "ref_us": ref_us, "floor_us": floor, "speedup_vs_glm": glm_us / us,
@@ -245,6 +248,7 @@ def main() -> None:
     parser.add_argument("--requests", default="1,2,4,8,16,32,64")
     parser.add_argument("--q", default="1,2,4")
     parser.add_argument("--sweep", action="store_true", help="time every (BV, warps) tile too")
+    parser.add_argument("--tiles", help="instead of --sweep's: BVxWARPSxLAUNCHES,...")
     parser.add_argument("--vllm-ops", help="folder of vLLM 0.33's files (vllm_files.py)")
     parser.add_argument("--gates", type=int, default=0, metavar="RANK",
                         help="instead: the gates' up-projections of this rank (GLM-5.3-Flash: "
@@ -269,6 +273,9 @@ def main() -> None:
         write_result(args.out, result)
 
     most = max(int(x) for x in args.requests.split(",")) * max(int(x) for x in args.q.split(","))
+    tiles = SWEEP if args.sweep else ()
+    if args.tiles:
+        tiles = [tuple(int(n) for n in t.split("x")) for t in args.tiles.split(",")]
     for heads in (int(h) for h in args.heads.split(",")):
         w = weights(heads, gen)
         op = KdaDecode(**w, max_tokens=8)
@@ -287,7 +294,7 @@ def main() -> None:
                     save()
                     print(json.dumps(rows[-1]))
                     continue
-                row = case(op, vk, w, heads, r, q, bw, gen, SWEEP if args.sweep else ())
+                row = case(op, vk, w, heads, r, q, bw, gen, tiles)
                 rows.append(row)
                 save()
                 e = row["errors"]

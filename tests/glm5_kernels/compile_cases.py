@@ -61,13 +61,16 @@ def _spill_bytes(ptx: str, arch: int) -> int:
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", done.stderr))
 
 
-def _compile(kernel, types: dict, constexprs: dict, arch: int, **options) -> str:
+def _compile(kernel, types: dict, constexprs: dict, arch: int, aligned=(), **options) -> str:
+    """`aligned`: more integer arguments Triton sees divisible by 16 (as it specializes them
+    where they are at the real shapes)."""
     names = kernel.arg_names
     signature = {n: ("constexpr" if n in constexprs else types[n]) for n in names}
     attrs = {
         (names.index(n),): [["tt.divisibility", 16]]
         for n in names
-        if n not in constexprs and (n in ALIGNED or types.get(n, "").startswith("*"))
+        if n not in constexprs
+        and (n in ALIGNED or n in aligned or types.get(n, "").startswith("*"))
     }
     src = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options).asm["ptx"]
@@ -313,6 +316,40 @@ def kda_cases(arch: int) -> int:
     for t, bv, warps in ((1, 16, 2), (8, 128, 4)):
         plain, gates = shuffles[t, bv, warps, 0], shuffles[t, bv, warps, 128]
         assert gates <= 1.25 * plain, (t, bv, warps, plain, gates)
+    return n + kda_two_launch_cases(arch, types)
+
+
+def kda_two_launch_cases(arch: int, types: dict) -> int:
+    """The two-launch KDA step at the real head: the inputs kernel (a decode; a verify of 8
+    with the gates' projections) and the recurrence at slices of up to 16 rows a warp — no
+    spill in ptxas's own count (a slice of 32 rows a warp spilled: its state alone is 128
+    registers a thread), the state read before the PDL wait, the same number of cross-lane
+    sums as the rows need (a [1, K] row in another layout than the state's put each token's
+    sums over all warps: ~1,800 shuffles and ~150 barriers at 32 x 4 x 4 tokens)."""
+    from glm5_kernels.kda.triton_split import kda_inputs_kernel, kda_recurrence_kernel
+
+    types = types | {n: "*fp32" for n in ("q_ptr", "k_ptr", "decay_ptr", "v_ptr", "beta_ptr")}
+    aligned = ("stride_rs", "stride_out", "stride_cs", "stride_cc", "stride_g", "H")
+    n = 0
+    for t, keep, rank in ((1, False, 0), (8, True, 128)):
+        constexprs = {"T": t, "TP": 1 << (t - 1).bit_length(), "K": 128, "V": 128, "W": 4,
+                      "NCP": 1 << (1 + t).bit_length(), "KEEP": keep, "HAS_LB": True,
+                      "RF": rank, "RG": rank, "X8": rank > 0, "INTERPRETER": False,
+                      "PDL": True}  # fmt: skip
+        ptx = _compile(kda_inputs_kernel, types, constexprs, arch, aligned, num_warps=4)
+        assert _spill_bytes(ptx, arch) == 0, ("inputs", t, rank)
+        n += 1
+    for t, keep, bv, warps, rank in ((1, False, 32, 4, 0), (4, True, 32, 4, 0),
+                                     (2, True, 16, 1, 0), (8, True, 128, 8, 128)):  # fmt: skip
+        constexprs = {"T": t, "TP": 1 << (t - 1).bit_length(), "K": 128, "V": 128, "BV": bv,
+                      "NW": warps, "KEEP": keep, "RG": rank, "INTERPRETER": False,
+                      "PDL": True}  # fmt: skip
+        ptx = _compile(kda_recurrence_kernel, types, constexprs, arch, aligned, num_warps=warps)
+        assert "ld.global" in ptx[: ptx.find("griddepcontrol.wait")], ("state after the wait", t)
+        assert _spill_bytes(ptx, arch) == 0, ("recurrence", t, bv, warps)
+        rows = bv // warps  # a warp's rows: two sums over K a token, five shuffles each
+        assert ptx.count("shfl.sync") <= 1.25 * (2 * t * rows * 5) + 64, (t, bv, warps)
+        n += 1
     return n
 
 

@@ -50,15 +50,19 @@ def _up(x, w):
 
 @pytest.mark.parametrize(
     "lower_bound, tile, rank",
-    [(-5.0, (V // 2, 2), 0), (None, None, 0), (-5.0, (V, 4), 0), (-5.0, None, RANK),
-     (-5.0, None, 64)],
-    ids=["safe-gate", "softplus", "whole-head", "low-rank-gates", "low-rank-gates-one-round"],
+    [(-5.0, (V // 2, 2, 1), 0), (None, None, 0), (-5.0, (V, 4, 1), 0), (-5.0, None, RANK),
+     (-5.0, None, 64), (-5.0, (V // 2, 2, 2), 0), (None, (V, 4, 2), 0),
+     (-5.0, (V // 2, 1, 2), RANK), (-5.0, (V, 2, 2), RANK)],
+    ids=["safe-gate", "softplus", "whole-head", "low-rank-gates", "low-rank-gates-one-round",
+         "two-launches", "two-launches-whole-head", "two-launches-low-rank",
+         "two-launches-whole-head-low-rank"],
 )  # fmt: skip
 def test_consecutive_steps_equal_the_reference(lower_bound, tile, rank):
     """Each head's V split over two CTAs (the last one normalizes), the planned tiles
     (split for decodes, whole for the verifies), a head in one CTA; f_b and g_b in the
     kernel (`rank` > 0: the calls hand it f_a and g_a, the reference their BF16
-    up-projections; 24 wide: three rounds of 8 columns, 64: one round at these heads)."""
+    up-projections; 24 wide: three rounds of 8 columns, 64: one round at these heads); the
+    two-launch step (conv, norms and gates, then the recurrence) split and whole."""
     gen = torch.Generator().manual_seed(0 if lower_bound else 1)
     w = _weights(gen, lower_bound)
     gates, low_rank = {}, rank > 0
@@ -69,7 +73,7 @@ def test_consecutive_steps_equal_the_reference(lower_bound, tile, rank):
     op = KdaDecode(**w, max_tokens=Q, **gates)
     assert op.low_rank == low_rank
     op.tile = tile
-    assert op.plan(3, 1) == (tile or (16, 2)) and op.plan(3, 3) == (tile or (V, 4))
+    assert op.plan(3, 1) == (tile or (16, 2, 1)) and op.plan(3, 3) == (tile or (V, 4, 1))
     slots, r = 9, 3
     conv = torch.randn(slots, W - 2 + Q, H * (2 * K + V), generator=gen).bfloat16()
     rec = torch.randn(slots, H, V, K, generator=gen) * 0.1

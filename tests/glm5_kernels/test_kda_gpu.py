@@ -45,16 +45,24 @@ def _up(x, w):
     return (x.float() @ w.float().T).bfloat16()
 
 
-# (heads, requests, q, rank): one request, a split head (8 x 2), the one-warp slices of a
-# 2-token verify at 384 heads x requests, a whole head (64 x 3 x 4), and the fused_gates kernel.
-CASES = [(16, 1, 1, 0), (16, 8, 2, 0), (16, 24, 2, 0), (64, 3, 4, 0), (16, 32, 4, 0),
-         (16, 1, 1, 128), (16, 8, 2, 128)]  # fmt: skip
+# (heads, requests, q, rank, tile): one request, a split head (8 x 2), the one-warp slices of
+# a 2-token verify at 384 heads x requests, a whole head (64 x 3 x 4), the fused_gates kernel;
+# the two-launch step (tile (BV, warps, 2)) split, whole and with the gates' projections.
+CASES = [(16, 1, 1, 0, None), (16, 8, 2, 0, None), (16, 24, 2, 0, None), (64, 3, 4, 0, None),
+         (16, 32, 4, 0, None), (16, 1, 1, 128, None), (16, 8, 2, 128, None),
+         (16, 32, 4, 0, (32, 4, 2)), (16, 24, 1, 0, (16, 1, 2)), (64, 3, 4, 0, (128, 8, 2)),
+         (16, 8, 2, 128, (16, 2, 2))]  # fmt: skip
 
 
-@pytest.mark.parametrize("heads, requests, q, rank", CASES)
-def test_consecutive_steps_equal_the_reference(heads, requests, q, rank):
+@pytest.mark.parametrize(
+    "heads, requests, q, rank, tile",
+    CASES,
+    ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x),
+)
+def test_consecutive_steps_equal_the_reference(heads, requests, q, rank, tile):
     """rank > 0: the fused_gates kernel (f_b, g_b in the kernel; the calls hand it f_a and
-    g_a of the model's rank, the reference their BF16 up-projections)."""
+    g_a of the model's rank, the reference their BF16 up-projections). `tile`: every step at
+    that (BV, warps, launches), else the plan's."""
     gen = torch.Generator("cuda").manual_seed(heads + requests + q)
     c = heads * (2 * K + V)
 
@@ -73,6 +81,7 @@ def test_consecutive_steps_equal_the_reference(heads, requests, q, rank):
     # projections making each variant's PTX ~4x the plain one's).
     op = KdaDecode(**w, max_tokens=q, **gates)
     assert op.low_rank == bool(rank)
+    op.tile = tile
     op.prepare([requests * q])
     r, slots = requests, 2 + requests * q + q
     conv = randn(slots, W - 2 + q, c).bfloat16()

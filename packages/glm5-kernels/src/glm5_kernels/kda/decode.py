@@ -4,8 +4,10 @@ From the projections' outputs (q | k | v rows, the forget gate's f_b output, the
 logits, the output gate's g_b output — or, built with f_b and g_b, their low-rank halves
 f_a and g_a, projected in the kernel) to the gated-RMSNormed rows o_proj reads, with the
 BF16 conv state and the FP32 recurrent state updated in place in vLLM 0.33's layouts — the
-same contract as `kda_decode_ref`, one launch (`triton_kda.kda_decode_kernel`, a CTA per
-request and head).
+same contract as `kda_decode_ref`: one launch (`triton_kda.kda_decode_kernel`, a CTA per
+request, head and slice of V) or, where a step has many heads x tokens, two
+(`triton_split`: the conv, norms and gates a CTA per request and head, then the
+recurrence a CTA per slice).
 """
 
 from __future__ import annotations
@@ -73,27 +75,33 @@ class KdaDecode:
         self.lower_bound, self.eps, self.max_tokens = lower_bound, eps, max_tokens
         self._device = conv_weight.device
         self._pdl, self._interp = use_pdl(self._device), interpreting()
-        from glm5_kernels.kda.triton_kda import kda_decode_kernel  # Triton: an extra
+        from glm5_kernels.kda import triton_kda, triton_split  # Triton: an extra
 
-        self._kernel = kda_decode_kernel
+        self._kernel = triton_kda.kda_decode_kernel
+        self._inputs = triton_split.kda_inputs_kernel
+        self._recurrence = triton_split.kda_recurrence_kernel
         cuda = self._device.type == "cuda"
         self._sms = (
             torch.cuda.get_device_properties(self._device).multi_processor_count if cuda else 132
         )
-        self.tile: tuple[int, int] | None = None  # (BV, warps) for every step, else plan()
-        self._ready: set[tuple] = set()  # (tokens per request, keep, BV, warps) compiled
+        # (BV, warps, launches) for every step, else plan()
+        self.tile: tuple[int, int, int] | None = None
+        self._ready: set[tuple] = set()  # (tokens per request, keep, tile) compiled
         self._part = torch.empty(0, device=self._device)  # slices' sums of squares
         self._gbuf = torch.empty(0, device=self._device)  # split heads' projected gates
         self._count = torch.zeros(0, dtype=torch.int32, device=self._device)  # per (request, head)
+        self._ws = torch.empty(0, device=self._device)  # two launches: the recurrence's inputs
 
     def supports(self, tokens: int) -> bool:
         return 1 <= tokens <= self.max_tokens
 
-    def plan(self, requests: int, tokens: int = 1) -> tuple[int, int]:
-        """(BV, warps) for `requests` x `tokens` (the H200 sweep of benchmarks/kda_decode.py):
-        few heads in the step split each head's state over V // BV CTAs (one SM moves a 64
-        KB head too slowly), many keep a head whole (a split recomputes q / k and hands
-        the norm to the head's last CTA). Slices of at least 16 rows."""
+    def plan(self, requests: int, tokens: int = 1) -> tuple[int, int, int]:
+        """(BV, warps, launches) for `requests` x `tokens` (the H200 sweep of
+        benchmarks/kda_decode.py): few heads in the step split each head's state over V // BV
+        CTAs (one SM moves a 64 KB head too slowly), many keep a head whole (a split
+        recomputes q / k and hands the norm to the head's last CTA). Slices of at least 16
+        rows. One launch: the two-launch step (`triton_split`) is timed by the sweep
+        (`--sweep`), not yet chosen."""
         if self.tile is not None:
             return self.tile
         heads = requests * self.heads
@@ -103,7 +111,7 @@ class KdaDecode:
             bv, warps = (32, 2) if heads <= 128 else (32, 1)
         else:
             bv, warps = (32, 4) if heads <= 16 else (64, 4) if heads <= 128 else (128, 4)
-        return min(bv, self.v), warps
+        return min(bv, self.v), warps, 1
 
     def prepare(self, tokens=None) -> None:
         """Compile the steps a decode loop runs — a decode of one token per request, a
@@ -132,10 +140,12 @@ class KdaDecode:
     def _room(self, requests: int, rows: int) -> None:
         """The workspace for a step of `requests` x `rows` token rows (grown outside capture
         only; the counters are zero between steps)."""
-        part, count = rows * self.heads * (self.v // 16), requests * self.heads
-        gbuf = rows * self.heads * self.v if self.low_rank else 1
+        h, k, v = self.heads, self.k, self.v
+        part, count = rows * h * (v // 16), requests * h
+        gbuf = rows * h * v if self.low_rank else 1
+        ws = rows * h * (3 * k + v + 1)  # two launches: q, k, decay, v, beta
         if (self._part.numel() >= part and self._count.numel() >= count
-                and self._gbuf.numel() >= gbuf):  # fmt: skip
+                and self._gbuf.numel() >= gbuf and self._ws.numel() >= ws):  # fmt: skip
             return
         if capturing():
             raise RuntimeError(
@@ -144,6 +154,7 @@ class KdaDecode:
             )
         self._part = torch.empty(max(part, self._part.numel()), device=self._device)
         self._gbuf = torch.empty(max(gbuf, self._gbuf.numel()), device=self._device)
+        self._ws = torch.empty(max(ws, self._ws.numel()), device=self._device)
         self._count = torch.zeros(max(count, self._count.numel()), dtype=torch.int32,
                                   device=self._device)  # fmt: skip
 
@@ -172,34 +183,56 @@ class KdaDecode:
         self._check(qkv, f, b, gate, conv, recurrent, conv_slots, conv_offset, read_slots,
                     write_slots, out)  # fmt: skip
         h, k, v = self.heads, self.k, self.v
-        bv, warps = self.plan(r, t)
-        if (t, keep, bv, warps) not in self._ready:
+        tile = self.plan(r, t)
+        if (t, keep, tile) not in self._ready:
             if capturing():  # a capture must never compile
                 raise RuntimeError(
                     f"KdaDecode: {t} tokens per request (keep={keep}, {r} requests) not "
                     "prepared; call prepare() before CUDA-graph capture"
                 )
-            self._ready.add((t, keep, bv, warps))
+            self._ready.add((t, keep, tile))
         self._room(r, r * t)
         if out is None:
             out = torch.empty(r, t, h * v, dtype=qkv.dtype, device=qkv.device)
         idx = [x.contiguous() for x in (conv_slots, conv_offset, read_slots, write_slots)]
         lb, tp = self.lower_bound, 1 << (t - 1).bit_length()
-        self._kernel[(r, h, v // bv)](
-            qkv, f, b, gate, out, conv, recurrent,
-            self.conv_weight, self.dt_bias, self.A_log, self.norm_weight,
-            f if self.f_b is None else self.f_b, gate if self.g_b is None else self.g_b, *idx,
-            self._part, self._count, self._gbuf,
-            *(_row_stride(x) for x in (qkv, f, b, gate, out)),
-            conv.stride(0), conv.stride(1), recurrent.stride(0),
-            h, k**-0.5, 0.0 if lb is None else lb, self.eps,
-            T=t, TP=tp, K=k, V=v, BV=bv, W=self.width,
+        fb = f if self.f_b is None else self.f_b
+        gb = gate if self.g_b is None else self.g_b
+        q_scale, bound = k**-0.5, 0.0 if lb is None else lb
+        common = dict(
+            T=t, TP=tp, K=k, V=v, W=self.width,
             NCP=1 << (self.width - 3 + t).bit_length(),  # >= W-2+T
             KEEP=keep, HAS_LB=lb is not None,
             RF=self.f_width if self.low_rank else 0, RG=self.gate_width if self.low_rank else 0,
             X8=self.low_rank and all(_row_stride(x) % 8 == 0 and x.data_ptr() % 16 == 0
                                      for x in (f, gate)),
-            INTERPRETER=self._interp, PDL=self._pdl, num_warps=warps, launch_pdl=self._pdl,
+            INTERPRETER=self._interp, PDL=self._pdl, launch_pdl=self._pdl,
+        )  # fmt: skip
+        bv, warps, launches = tile
+        if launches == 1:
+            self._kernel[(r, h, v // bv)](
+                qkv, f, b, gate, out, conv, recurrent,
+                self.conv_weight, self.dt_bias, self.A_log, self.norm_weight, fb, gb, *idx,
+                self._part, self._count, self._gbuf,
+                *(_row_stride(x) for x in (qkv, f, b, gate, out)),
+                conv.stride(0), conv.stride(1), recurrent.stride(0),
+                h, q_scale, bound, self.eps, BV=bv, num_warps=warps, **common,
+            )  # fmt: skip
+            return out
+        n = r * t * h
+        q, kn, decay, vs, beta = self._ws[: n * (3 * k + v + 1)].split([n * k] * 3 + [n * v, n])
+        self._inputs[(r, h)](
+            qkv, f, b, gate, conv, self.conv_weight, self.dt_bias, self.A_log, fb, gb,
+            idx[0], idx[1], q, kn, decay, vs, beta, self._gbuf,
+            *(_row_stride(x) for x in (qkv, f, b, gate)), conv.stride(0), conv.stride(1),
+            h, q_scale, bound, num_warps=4, **common,
+        )  # fmt: skip
+        self._recurrence[(r, h, v // bv)](
+            q, kn, decay, vs, beta, self._gbuf, gate, out, recurrent, self.norm_weight, idx[2],
+            idx[3], self._part, self._count, _row_stride(gate), _row_stride(out),
+            recurrent.stride(0), h, self.eps, T=t, TP=tp, K=k, V=v, BV=bv, NW=warps, KEEP=keep,
+            RG=common["RG"], INTERPRETER=self._interp, PDL=self._pdl, num_warps=warps,
+            launch_pdl=self._pdl,
         )  # fmt: skip
         return out
 

@@ -102,6 +102,15 @@ def _gate(gate_ptr, gb_ptr, row0, T, col0, stride_g, TP: tl.constexpr, N: tl.con
 
 
 @triton.jit
+def _decay(f, a, lower_bound, HAS_LB: tl.constexpr, INTERPRETER: tl.constexpr):
+    """The forget gate's per-channel decay exp(g) from f + dt_bias."""
+    if HAS_LB:  # the safe gate: each step decays by at most exp(lower_bound)
+        return tl.exp(lower_bound * torch_sigmoid(a * f, INTERPRETER))
+    # -a * softplus(f), linear above 20 as torch's
+    return tl.exp(-a * tl.where(f > 20.0, f, tl.log(1.0 + tl.exp(tl.minimum(f, 20.0)))))
+
+
+@triton.jit
 def _row(x, tt, t):
     """Row t of a [TP, N] register tile."""
     return tl.sum(tl.where(tt[:, None] == t, x, 0.0), axis=0)
@@ -177,11 +186,7 @@ def kda_decode_kernel(
     else:
         f = tl.load(f_ptr + rows[:, None] * stride_f + h * K + kk[None, :], mask=live[:, None],
                     other=0.0).to(tl.float32)  # fmt: skip
-    f = f + dt[None, :]
-    if HAS_LB:  # the safe gate: each step decays by at most exp(lower_bound)
-        decay = tl.exp(lower_bound * torch_sigmoid(a * f, INTERPRETER))
-    else:  # -a * softplus(f), linear above 20 as torch's
-        decay = tl.exp(-a * tl.where(f > 20.0, f, tl.log(1.0 + tl.exp(tl.minimum(f, 20.0)))))
+    decay = _decay(f + dt[None, :], a, lower_bound, HAS_LB, INTERPRETER)
     beta = torch_sigmoid(tl.load(b_ptr + rows * stride_b + h, mask=live, other=0.0).to(tl.float32),
                          INTERPRETER)  # fmt: skip
     if NV > 1 and RG > 0:  # a split head: each slice projects its own gate columns now, in
@@ -240,26 +245,44 @@ def _hand_off(o_all, out_at, vv, live, rows, h, jv, r, at, keep_cols, cq, ck, cv
     tl.store(part_at + jv, tl.sum(o_all * o_all, axis=1), mask=live)
     tl.debug_barrier()  # a column written may be one another thread reads
     tl.store(at + cv[None, :], new_v, mask=keep_cols & (cv[None, :] >= 0))
-    tl.debug_barrier()  # every thread's stores before the release
-    last = tl.atomic_add(count_ptr + r * H + h, 1, sem="acq_rel") == NV - 1
-    tl.debug_barrier()
-    if last:
-        tl.store(count_ptr + r * H + h, 0)  # ready for the next step
+    if arrive_last(count_ptr + r * H + h, NV):
         tl.store(at + cq[None, :], new_q, mask=keep_cols & (cq[None, :] >= 0))
         tl.store(at + ck[None, :], new_k, mask=keep_cols & (ck[None, :] >= 0))
-        ss = tl.zeros([TP], tl.float32)
-        for j in tl.static_range(NV):  # slice order: the same sum whichever CTA is last
-            ss += tl.load(part_at + j, mask=live, other=0.0, cache_modifier=".cg")
-        va = tl.arange(0, V)
-        o_full = tl.load(out_at + va[None, :], mask=live[:, None], other=0.0,
-                         cache_modifier=".cg").to(tl.float32)  # fmt: skip
-        if RG > 0:
-            gate = tl.load(gbuf_ptr + rows[:, None] * (H * V) + h * V + va[None, :],
-                           mask=live[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
-        else:
-            gate = tl.load(gate_ptr + rows[:, None] * stride_g + h * V + va[None, :],
-                           mask=live[:, None], other=0.0).to(tl.float32)  # fmt: skip
-        norm_w = tl.load(norm_w_ptr + va).to(tl.float32)
-        y = norm_w[None, :] * (o_full / tl.sqrt_rn(ss / V + eps)[:, None])
-        y = y * torch_sigmoid(gate, INTERPRETER)
-        tl.store(out_at + va[None, :], narrow(y, tl.bfloat16, INTERPRETER), mask=live[:, None])
+        norm_head(out_at, rows, live, h, part_at, gate_ptr, gbuf_ptr, norm_w_ptr, stride_g, H,
+                  eps, TP, V, NV, RG, INTERPRETER)  # fmt: skip
+
+
+@triton.jit
+def arrive_last(count_ptr, NV: tl.constexpr):
+    """This CTA's slice of a head done (every thread's stores before the release): true in
+    the head's last CTA to arrive, which resets the counter for the next step."""
+    tl.debug_barrier()
+    last = tl.atomic_add(count_ptr, 1, sem="acq_rel") == NV - 1
+    tl.debug_barrier()
+    if last:
+        tl.store(count_ptr, 0)
+    return last
+
+
+@triton.jit
+def norm_head(out_at, rows, live, h, part_at, gate_ptr, gbuf_ptr, norm_w_ptr, stride_g, H, eps,
+              TP: tl.constexpr, V: tl.constexpr, NV: tl.constexpr, RG: tl.constexpr,
+              INTERPRETER: tl.constexpr):  # fmt: skip
+    """The gated RMSNorm of a split head's rows, in place, by the CTA that arrived last: the
+    slices' sums of squares added in slice order (the same sum whichever CTA is last)."""
+    ss = tl.zeros([TP], tl.float32)
+    for j in tl.static_range(NV):
+        ss += tl.load(part_at + j, mask=live, other=0.0, cache_modifier=".cg")
+    va = tl.arange(0, V)
+    o_full = tl.load(out_at + va[None, :], mask=live[:, None], other=0.0,
+                     cache_modifier=".cg").to(tl.float32)  # fmt: skip
+    if RG > 0:
+        gate = tl.load(gbuf_ptr + rows[:, None] * (H * V) + h * V + va[None, :],
+                       mask=live[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
+    else:
+        gate = tl.load(gate_ptr + rows[:, None] * stride_g + h * V + va[None, :],
+                       mask=live[:, None], other=0.0).to(tl.float32)  # fmt: skip
+    norm_w = tl.load(norm_w_ptr + va).to(tl.float32)
+    y = norm_w[None, :] * (o_full / tl.sqrt_rn(ss / V + eps)[:, None])
+    y = y * torch_sigmoid(gate, INTERPRETER)
+    tl.store(out_at + va[None, :], narrow(y, tl.bfloat16, INTERPRETER), mask=live[:, None])
