@@ -225,7 +225,7 @@ class KdaDecode:
             qkv, f, b, gate, conv, self.conv_weight, self.dt_bias, self.A_log, fb, gb,
             idx[0], idx[1], q, kn, decay, vs, beta, self._gbuf,
             *(_row_stride(x) for x in (qkv, f, b, gate)), conv.stride(0), conv.stride(1),
-            h, q_scale, bound, num_warps=4, **common,
+            h, q_scale, bound, num_warps=8 if t > 4 else 4, **common,
         )  # fmt: skip
         self._recurrence[(r, h, v // bv)](
             q, kn, decay, vs, beta, self._gbuf, gate, out, recurrent, self.norm_weight, idx[2],
