@@ -100,8 +100,8 @@ class KdaDecode:
         benchmarks/kda_decode.py): few heads in the step split each head's state over V // BV
         CTAs (one SM moves a 64 KB head too slowly), many keep a head whole (a split
         recomputes q / k and hands the norm to the head's last CTA). Slices of at least 16
-        rows. One launch: the two-launch step (`triton_split`) is timed by the sweep
-        (`--sweep`), not yet chosen."""
+        rows. One launch: the two-launch step (`triton_split`) is timed by the benchmark
+        (`--tiles` / `--sweep`), not yet chosen."""
         if self.tile is not None:
             return self.tile
         heads = requests * self.heads
@@ -122,10 +122,10 @@ class KdaDecode:
         h, k, v, w, dev = self.heads, self.k, self.v, self.width, self._device
         c, bf16 = 2 * h * k + h * v, torch.bfloat16
         most = max(tokens) if tokens else 64
-        self._room(most, most)
         chosen = self.tile
         steps = {(t, self.plan(r, t)) for t in range(1, self.max_tokens + 1)
                  for r in range(1, most // t + 1)}  # fmt: skip
+        self._room(most, most, max(tile[2] for _, tile in steps))
         for t, self.tile in sorted(steps):
             widths = (c, self.f_width, h, self.gate_width)
             rows = [torch.zeros(1, t, n, dtype=bf16, device=dev) for n in widths]
@@ -137,13 +137,13 @@ class KdaDecode:
             self(*rows, conv, rec, **place, write_slots=write, keep=t > 1)
         self.tile = chosen
 
-    def _room(self, requests: int, rows: int) -> None:
+    def _room(self, requests: int, rows: int, launches: int = 1) -> None:
         """The workspace for a step of `requests` x `rows` token rows (grown outside capture
         only; the counters are zero between steps)."""
         h, k, v = self.heads, self.k, self.v
         part, count = rows * h * (v // 16), requests * h
         gbuf = rows * h * v if self.low_rank else 1
-        ws = rows * h * (3 * k + v + 1)  # two launches: q, k, decay, v, beta
+        ws = rows * h * (3 * k + v + 1) if launches == 2 else 0  # q, k, decay, v, beta
         if (self._part.numel() >= part and self._count.numel() >= count
                 and self._gbuf.numel() >= gbuf and self._ws.numel() >= ws):  # fmt: skip
             return
@@ -191,7 +191,7 @@ class KdaDecode:
                     "prepared; call prepare() before CUDA-graph capture"
                 )
             self._ready.add((t, keep, tile))
-        self._room(r, r * t)
+        self._room(r, r * t, tile[2])
         if out is None:
             out = torch.empty(r, t, h * v, dtype=qkv.dtype, device=qkv.device)
         idx = [x.contiguous() for x in (conv_slots, conv_offset, read_slots, write_slots)]
