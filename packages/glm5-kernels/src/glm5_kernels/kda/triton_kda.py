@@ -39,7 +39,7 @@ from glm5_kernels.triton_primitives import narrow, round_bf16, torch_sigmoid
 
 
 @triton.jit
-def _window(conv_row_ptr, qkv_ptr, rows, shift, n, c, offset, stride_cc, stride_qkv, row0,
+def conv_window(conv_row_ptr, qkv_ptr, rows, shift, n, c, offset, stride_cc, stride_qkv, row0,
             W: tl.constexpr):  # fmt: skip
     """Rows rows + shift of the step's sequence (the W-1 conv-state columns at the offset,
     then the T inputs), channels c: [len(rows), len(c)] BF16 (rows >= n masked)."""
@@ -50,19 +50,19 @@ def _window(conv_row_ptr, qkv_ptr, rows, shift, n, c, offset, stride_cc, stride_
 
 
 @triton.jit
-def _conv(conv_row_ptr, qkv_ptr, w_ptr, tt, T, c, offset, stride_cc, stride_qkv, row0,
+def short_conv(conv_row_ptr, qkv_ptr, w_ptr, tt, T, c, offset, stride_cc, stride_qkv, row0,
           W: tl.constexpr, INTERPRETER: tl.constexpr):  # fmt: skip
     """Every token's silu(sum_j w[c, j] x[t + j, c]) in FP32, rounded to BF16
     (short_conv_ref): [len(tt), len(c)]."""
     acc = tl.zeros([tt.shape[0], c.shape[0]], tl.float32)
     for j in tl.static_range(W):
-        x = _window(conv_row_ptr, qkv_ptr, tt, j, T, c, offset, stride_cc, stride_qkv, row0, W)
+        x = conv_window(conv_row_ptr, qkv_ptr, tt, j, T, c, offset, stride_cc, stride_qkv, row0, W)
         acc += tl.load(w_ptr + c * W + j).to(tl.float32)[None, :] * x.to(tl.float32)
     return round_bf16(acc * torch_sigmoid(acc, INTERPRETER), INTERPRETER)
 
 
 @triton.jit
-def _up(x_ptr, stride_x, w_ptr, row0, T, col0, TP: tl.constexpr, N: tl.constexpr,
+def low_rank_up(x_ptr, stride_x, w_ptr, row0, T, col0, TP: tl.constexpr, N: tl.constexpr,
         R: tl.constexpr, X8: tl.constexpr, INTERPRETER: tl.constexpr):  # fmt: skip
     """A low-rank projection's second half: rows row0 .. row0 + T of x [., R] times
     w[col0 : col0 + N, :R]^T (w row-major), [TP, N] FP32 sums of exact products rounded to
@@ -95,14 +95,14 @@ def _gate(gate_ptr, gb_ptr, row0, T, col0, stride_g, TP: tl.constexpr, N: tl.con
     """The output gate's columns col0 .. col0 + N of the step's rows: loaded, or projected
     from g_a (RG > 0)."""
     if RG > 0:
-        return _up(gate_ptr, stride_g, gb_ptr, row0, T, col0, TP, N, RG, X8, INTERPRETER)
+        return low_rank_up(gate_ptr, stride_g, gb_ptr, row0, T, col0, TP, N, RG, X8, INTERPRETER)
     rows, cols = row0 + tl.arange(0, TP), col0 + tl.arange(0, N)
     return tl.load(gate_ptr + rows[:, None] * stride_g + cols[None, :],
                    mask=(tl.arange(0, TP) < T)[:, None], other=0.0).to(tl.float32)  # fmt: skip
 
 
 @triton.jit
-def _decay(f, a, lower_bound, HAS_LB: tl.constexpr, INTERPRETER: tl.constexpr):
+def forget_decay(f, a, lower_bound, HAS_LB: tl.constexpr, INTERPRETER: tl.constexpr):
     """The forget gate's per-channel decay exp(g) from f + dt_bias."""
     if HAS_LB:  # the safe gate: each step decays by at most exp(lower_bound)
         return tl.exp(lower_bound * torch_sigmoid(a * f, INTERPRETER))
@@ -162,19 +162,19 @@ def kda_decode_kernel(
         n_cols, shift, dst = W - 2 + T, 1, cols
     else:
         n_cols, shift, dst = W - 1, T, offset + cols
-    new_v = _window(conv_row, qkv_ptr, cols, shift, n_cols, cv, offset, stride_cc, stride_qkv,
+    new_v = conv_window(conv_row, qkv_ptr, cols, shift, n_cols, cv, offset, stride_cc, stride_qkv,
                     row0, W)  # fmt: skip
-    new_q = _window(conv_row, qkv_ptr, cols, shift, n_cols, cq, offset, stride_cc, stride_qkv,
+    new_q = conv_window(conv_row, qkv_ptr, cols, shift, n_cols, cq, offset, stride_cc, stride_qkv,
                     row0, W)  # fmt: skip
-    new_k = _window(conv_row, qkv_ptr, cols, shift, n_cols, ck, offset, stride_cc, stride_qkv,
+    new_k = conv_window(conv_row, qkv_ptr, cols, shift, n_cols, ck, offset, stride_cc, stride_qkv,
                     row0, W)  # fmt: skip
 
     # Every token's q, k, v, gate and beta, before the recurrence.
-    q = _conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, cq, offset, stride_cc, stride_qkv, row0, W,
+    q = short_conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, cq, offset, stride_cc, stride_qkv, row0, W,
               INTERPRETER)  # fmt: skip
-    k = _conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, ck, offset, stride_cc, stride_qkv, row0, W,
+    k = short_conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, ck, offset, stride_cc, stride_qkv, row0, W,
               INTERPRETER)  # fmt: skip
-    v = _conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, cv, offset, stride_cc, stride_qkv, row0, W,
+    v = short_conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, cv, offset, stride_cc, stride_qkv, row0, W,
               INTERPRETER)  # fmt: skip
     # L2 norms with the eps inside the root; q also scaled by K^-1/2.
     q = q / tl.sqrt_rn(tl.sum(q * q, axis=1) + 1e-6)[:, None] * q_scale
@@ -182,16 +182,16 @@ def kda_decode_kernel(
     rows = row0 + tt
     live = tt < T
     if RF > 0:  # f_a rows: this head's columns of f_b here
-        f = _up(f_ptr, stride_f, fb_ptr, row0, T, h * K, TP, K, RF, X8, INTERPRETER)
+        f = low_rank_up(f_ptr, stride_f, fb_ptr, row0, T, h * K, TP, K, RF, X8, INTERPRETER)
     else:
         f = tl.load(f_ptr + rows[:, None] * stride_f + h * K + kk[None, :], mask=live[:, None],
                     other=0.0).to(tl.float32)  # fmt: skip
-    decay = _decay(f + dt[None, :], a, lower_bound, HAS_LB, INTERPRETER)
+    decay = forget_decay(f + dt[None, :], a, lower_bound, HAS_LB, INTERPRETER)
     beta = torch_sigmoid(tl.load(b_ptr + rows * stride_b + h, mask=live, other=0.0).to(tl.float32),
                          INTERPRETER)  # fmt: skip
     if NV > 1 and RG > 0:  # a split head: each slice projects its own gate columns now, in
         # parallel, rather than the head's last CTA all V of them after everyone
-        g_slice = _up(gate_ptr, stride_g, gb_ptr, row0, T, h * V + jv * BV, TP, BV, RG, X8,
+        g_slice = low_rank_up(gate_ptr, stride_g, gb_ptr, row0, T, h * V + jv * BV, TP, BV, RG, X8,
                       INTERPRETER)  # fmt: skip
         tl.store(gbuf_ptr + rows[:, None] * (H * V) + h * V + vv[None, :], g_slice,
                  mask=live[:, None])  # fmt: skip

@@ -26,7 +26,14 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from glm5_kernels.kda.triton_kda import _conv, _decay, _up, _window, arrive_last, norm_head
+from glm5_kernels.kda.triton_kda import (
+    arrive_last,
+    conv_window,
+    forget_decay,
+    low_rank_up,
+    norm_head,
+    short_conv,
+)
 from glm5_kernels.triton_primitives import narrow, round_bf16, torch_sigmoid
 
 
@@ -61,26 +68,26 @@ def kda_inputs_kernel(
         n_cols, shift, dst = W - 2 + T, 1, cols
     else:
         n_cols, shift, dst = W - 1, T, offset + cols
-    new_q = _window(conv_row, qkv_ptr, cols, shift, n_cols, cq, offset, stride_cc, stride_qkv,
+    new_q = conv_window(conv_row, qkv_ptr, cols, shift, n_cols, cq, offset, stride_cc, stride_qkv,
                     row0, W)  # fmt: skip
-    new_k = _window(conv_row, qkv_ptr, cols, shift, n_cols, ck, offset, stride_cc, stride_qkv,
+    new_k = conv_window(conv_row, qkv_ptr, cols, shift, n_cols, ck, offset, stride_cc, stride_qkv,
                     row0, W)  # fmt: skip
-    new_v = _window(conv_row, qkv_ptr, cols, shift, n_cols, cv, offset, stride_cc, stride_qkv,
+    new_v = conv_window(conv_row, qkv_ptr, cols, shift, n_cols, cv, offset, stride_cc, stride_qkv,
                     row0, W)  # fmt: skip
-    q = _conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, cq, offset, stride_cc, stride_qkv, row0, W,
+    q = short_conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, cq, offset, stride_cc, stride_qkv, row0, W,
               INTERPRETER)  # fmt: skip
-    k = _conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, ck, offset, stride_cc, stride_qkv, row0, W,
+    k = short_conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, ck, offset, stride_cc, stride_qkv, row0, W,
               INTERPRETER)  # fmt: skip
-    v = _conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, cv, offset, stride_cc, stride_qkv, row0, W,
+    v = short_conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, cv, offset, stride_cc, stride_qkv, row0, W,
               INTERPRETER)  # fmt: skip
     q = q / tl.sqrt_rn(tl.sum(q * q, axis=1) + 1e-6)[:, None] * q_scale
     k = k / tl.sqrt_rn(tl.sum(k * k, axis=1) + 1e-6)[:, None]
     if RF > 0:
-        f = _up(f_ptr, stride_f, fb_ptr, row0, T, h * K, TP, K, RF, X8, INTERPRETER)
+        f = low_rank_up(f_ptr, stride_f, fb_ptr, row0, T, h * K, TP, K, RF, X8, INTERPRETER)
     else:
         f = tl.load(f_ptr + rows[:, None] * stride_f + h * K + kk[None, :], mask=live[:, None],
                     other=0.0).to(tl.float32)  # fmt: skip
-    decay = _decay(f + dt[None, :], a, lower_bound, HAS_LB, INTERPRETER)
+    decay = forget_decay(f + dt[None, :], a, lower_bound, HAS_LB, INTERPRETER)
     beta = torch_sigmoid(tl.load(b_ptr + rows * stride_b + h, mask=live, other=0.0).to(tl.float32),
                          INTERPRETER)  # fmt: skip
     at_k = (rows[:, None] * H + h) * K + kk[None, :]
@@ -90,7 +97,7 @@ def kda_inputs_kernel(
     tl.store(v_ptr + (rows[:, None] * H + h) * V + vv[None, :], v, mask=live[:, None])
     tl.store(beta_ptr + rows * H + h, beta, mask=live)
     if RG > 0:
-        g = _up(gate_ptr, stride_g, gb_ptr, row0, T, h * V, TP, V, RG, X8, INTERPRETER)
+        g = low_rank_up(gate_ptr, stride_g, gb_ptr, row0, T, h * V, TP, V, RG, X8, INTERPRETER)
         tl.store(gbuf_ptr + rows[:, None] * (H * V) + h * V + vv[None, :], g, mask=live[:, None])
     tl.debug_barrier()  # a column written may be one another thread reads
     at = conv_row + dst[:, None] * stride_cc
