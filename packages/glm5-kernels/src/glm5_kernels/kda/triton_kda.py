@@ -40,7 +40,7 @@ from glm5_kernels.triton_primitives import narrow, round_bf16, torch_sigmoid
 
 @triton.jit
 def conv_window(conv_row_ptr, qkv_ptr, rows, shift, n, c, offset, stride_cc, stride_qkv, row0,
-            W: tl.constexpr):  # fmt: skip
+                W: tl.constexpr):  # fmt: skip
     """Rows rows + shift of the step's sequence (the W-1 conv-state columns at the offset,
     then the T inputs), channels c: [len(rows), len(c)] BF16 (rows >= n masked)."""
     i = rows[:, None] + shift
@@ -51,7 +51,7 @@ def conv_window(conv_row_ptr, qkv_ptr, rows, shift, n, c, offset, stride_cc, str
 
 @triton.jit
 def short_conv(conv_row_ptr, qkv_ptr, w_ptr, tt, T, c, offset, stride_cc, stride_qkv, row0,
-          W: tl.constexpr, INTERPRETER: tl.constexpr):  # fmt: skip
+               W: tl.constexpr, INTERPRETER: tl.constexpr):  # fmt: skip
     """Every token's silu(sum_j w[c, j] x[t + j, c]) in FP32, rounded to BF16
     (short_conv_ref): [len(tt), len(c)]."""
     acc = tl.zeros([tt.shape[0], c.shape[0]], tl.float32)
@@ -63,7 +63,7 @@ def short_conv(conv_row_ptr, qkv_ptr, w_ptr, tt, T, c, offset, stride_cc, stride
 
 @triton.jit
 def low_rank_up(x_ptr, stride_x, w_ptr, row0, T, col0, TP: tl.constexpr, N: tl.constexpr,
-        R: tl.constexpr, X8: tl.constexpr, INTERPRETER: tl.constexpr):  # fmt: skip
+                R: tl.constexpr, X8: tl.constexpr, INTERPRETER: tl.constexpr):  # fmt: skip
     """A low-rank projection's second half: rows row0 .. row0 + T of x [., R] times
     w[col0 : col0 + N, :R]^T (w row-major), [TP, N] FP32 sums of exact products rounded to
     BF16 (rows past T: zeros). Every (row, column) pair is one flat index of a [TP * N, RC]
@@ -163,19 +163,19 @@ def kda_decode_kernel(
     else:
         n_cols, shift, dst = W - 1, T, offset + cols
     new_v = conv_window(conv_row, qkv_ptr, cols, shift, n_cols, cv, offset, stride_cc, stride_qkv,
-                    row0, W)  # fmt: skip
+                        row0, W)  # fmt: skip
     new_q = conv_window(conv_row, qkv_ptr, cols, shift, n_cols, cq, offset, stride_cc, stride_qkv,
-                    row0, W)  # fmt: skip
+                        row0, W)  # fmt: skip
     new_k = conv_window(conv_row, qkv_ptr, cols, shift, n_cols, ck, offset, stride_cc, stride_qkv,
-                    row0, W)  # fmt: skip
+                        row0, W)  # fmt: skip
 
     # Every token's q, k, v, gate and beta, before the recurrence.
     q = short_conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, cq, offset, stride_cc, stride_qkv, row0, W,
-              INTERPRETER)  # fmt: skip
+                   INTERPRETER)  # fmt: skip
     k = short_conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, ck, offset, stride_cc, stride_qkv, row0, W,
-              INTERPRETER)  # fmt: skip
+                   INTERPRETER)  # fmt: skip
     v = short_conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, cv, offset, stride_cc, stride_qkv, row0, W,
-              INTERPRETER)  # fmt: skip
+                   INTERPRETER)  # fmt: skip
     # L2 norms with the eps inside the root; q also scaled by K^-1/2.
     q = q / tl.sqrt_rn(tl.sum(q * q, axis=1) + 1e-6)[:, None] * q_scale
     k = k / tl.sqrt_rn(tl.sum(k * k, axis=1) + 1e-6)[:, None]
@@ -192,7 +192,7 @@ def kda_decode_kernel(
     if NV > 1 and RG > 0:  # a split head: each slice projects its own gate columns now, in
         # parallel, rather than the head's last CTA all V of them after everyone
         g_slice = low_rank_up(gate_ptr, stride_g, gb_ptr, row0, T, h * V + jv * BV, TP, BV, RG, X8,
-                      INTERPRETER)  # fmt: skip
+                              INTERPRETER)  # fmt: skip
         tl.store(gbuf_ptr + rows[:, None] * (H * V) + h * V + vv[None, :], g_slice,
                  mask=live[:, None])  # fmt: skip
 

@@ -69,17 +69,17 @@ def kda_inputs_kernel(
     else:
         n_cols, shift, dst = W - 1, T, offset + cols
     new_q = conv_window(conv_row, qkv_ptr, cols, shift, n_cols, cq, offset, stride_cc, stride_qkv,
-                    row0, W)  # fmt: skip
+                        row0, W)  # fmt: skip
     new_k = conv_window(conv_row, qkv_ptr, cols, shift, n_cols, ck, offset, stride_cc, stride_qkv,
-                    row0, W)  # fmt: skip
+                        row0, W)  # fmt: skip
     new_v = conv_window(conv_row, qkv_ptr, cols, shift, n_cols, cv, offset, stride_cc, stride_qkv,
-                    row0, W)  # fmt: skip
+                        row0, W)  # fmt: skip
     q = short_conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, cq, offset, stride_cc, stride_qkv, row0, W,
-              INTERPRETER)  # fmt: skip
+                   INTERPRETER)  # fmt: skip
     k = short_conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, ck, offset, stride_cc, stride_qkv, row0, W,
-              INTERPRETER)  # fmt: skip
+                   INTERPRETER)  # fmt: skip
     v = short_conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, cv, offset, stride_cc, stride_qkv, row0, W,
-              INTERPRETER)  # fmt: skip
+                   INTERPRETER)  # fmt: skip
     q = q / tl.sqrt_rn(tl.sum(q * q, axis=1) + 1e-6)[:, None] * q_scale
     k = k / tl.sqrt_rn(tl.sum(k * k, axis=1) + 1e-6)[:, None]
     if RF > 0:
