@@ -111,6 +111,57 @@ def forget_decay(f, a, lower_bound, HAS_LB: tl.constexpr, INTERPRETER: tl.conste
 
 
 @triton.jit
+def new_windows(conv_row, qkv_ptr, cq, ck, cv, offset, stride_cc, stride_qkv, row0,
+                T: tl.constexpr, W: tl.constexpr, NCP: tl.constexpr,
+                KEEP: tl.constexpr):  # fmt: skip
+    """The conv state's new columns of the q / k / v channels (read before any column is
+    written; stored last): column j of the new window is row j + shift of the sequence (a
+    verify keeps its W-2+T newest rows from column 0, a decode moves its window at the
+    offset on by T). -> (new_q, new_k, new_v, the columns they go to, how many, cols)."""
+    cols = tl.arange(0, NCP)
+    if KEEP:
+        n_cols, shift, dst = W - 2 + T, 1, cols
+    else:
+        n_cols, shift, dst = W - 1, T, offset + cols
+    new_q = conv_window(conv_row, qkv_ptr, cols, shift, n_cols, cq, offset, stride_cc, stride_qkv,
+                        row0, W)  # fmt: skip
+    new_k = conv_window(conv_row, qkv_ptr, cols, shift, n_cols, ck, offset, stride_cc, stride_qkv,
+                        row0, W)  # fmt: skip
+    new_v = conv_window(conv_row, qkv_ptr, cols, shift, n_cols, cv, offset, stride_cc, stride_qkv,
+                        row0, W)  # fmt: skip
+    return new_q, new_k, new_v, dst, n_cols, cols
+
+
+@triton.jit
+def token_inputs(conv_row, qkv_ptr, conv_w_ptr, f_ptr, fb_ptr, b_ptr, tt, h, cq, ck, cv, kk,
+                 offset, stride_cc, stride_qkv, stride_f, stride_b, row0, dt, a, q_scale,
+                 lower_bound, T: tl.constexpr, TP: tl.constexpr, K: tl.constexpr,
+                 W: tl.constexpr, HAS_LB: tl.constexpr, RF: tl.constexpr, X8: tl.constexpr,
+                 INTERPRETER: tl.constexpr):  # fmt: skip
+    """Every token's q, k, v (the short conv, BF16-rounded; q and k L2-normed with the eps
+    inside the root, q also scaled by K^-1/2), decay and beta, [TP, .] tiles (rows past T:
+    masked inputs): what the recurrence reads, before it."""
+    q = short_conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, cq, offset, stride_cc, stride_qkv, row0, W,
+                   INTERPRETER)  # fmt: skip
+    k = short_conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, ck, offset, stride_cc, stride_qkv, row0, W,
+                   INTERPRETER)  # fmt: skip
+    v = short_conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, cv, offset, stride_cc, stride_qkv, row0, W,
+                   INTERPRETER)  # fmt: skip
+    q = q / tl.sqrt_rn(tl.sum(q * q, axis=1) + 1e-6)[:, None] * q_scale
+    k = k / tl.sqrt_rn(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+    rows, live = row0 + tt, tt < T
+    if RF > 0:  # f_a rows: this head's columns of f_b here
+        f = low_rank_up(f_ptr, stride_f, fb_ptr, row0, T, h * K, TP, K, RF, X8, INTERPRETER)
+    else:
+        f = tl.load(f_ptr + rows[:, None] * stride_f + h * K + kk[None, :], mask=live[:, None],
+                    other=0.0).to(tl.float32)  # fmt: skip
+    decay = forget_decay(f + dt[None, :], a, lower_bound, HAS_LB, INTERPRETER)
+    beta = torch_sigmoid(tl.load(b_ptr + rows * stride_b + h, mask=live, other=0.0).to(tl.float32),
+                         INTERPRETER)  # fmt: skip
+    return q, k, v, decay, beta
+
+
+@triton.jit
 def _row(x, tt, t):
     """Row t of a [TP, N] register tile."""
     return tl.sum(tl.where(tt[:, None] == t, x, 0.0), axis=0)
@@ -154,41 +205,14 @@ def kda_decode_kernel(
     row0 = r * T
     state_at = h * (V * K) + vv[:, None] * K + kk[None, :]
     s = tl.load(rec_ptr + tl.load(read_slot_ptr + r).to(tl.int64) * stride_rs + state_at)
-    # The conv state's new columns: column j of the new window is row j + shift of the
-    # sequence (a verify keeps its W-2+T newest rows from column 0, a decode moves its
-    # window at the offset on by T). Loaded now, stored last.
-    cols = tl.arange(0, NCP)
-    if KEEP:
-        n_cols, shift, dst = W - 2 + T, 1, cols
-    else:
-        n_cols, shift, dst = W - 1, T, offset + cols
-    new_v = conv_window(conv_row, qkv_ptr, cols, shift, n_cols, cv, offset, stride_cc, stride_qkv,
-                        row0, W)  # fmt: skip
-    new_q = conv_window(conv_row, qkv_ptr, cols, shift, n_cols, cq, offset, stride_cc, stride_qkv,
-                        row0, W)  # fmt: skip
-    new_k = conv_window(conv_row, qkv_ptr, cols, shift, n_cols, ck, offset, stride_cc, stride_qkv,
-                        row0, W)  # fmt: skip
-
-    # Every token's q, k, v, gate and beta, before the recurrence.
-    q = short_conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, cq, offset, stride_cc, stride_qkv, row0, W,
-                   INTERPRETER)  # fmt: skip
-    k = short_conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, ck, offset, stride_cc, stride_qkv, row0, W,
-                   INTERPRETER)  # fmt: skip
-    v = short_conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, cv, offset, stride_cc, stride_qkv, row0, W,
-                   INTERPRETER)  # fmt: skip
-    # L2 norms with the eps inside the root; q also scaled by K^-1/2.
-    q = q / tl.sqrt_rn(tl.sum(q * q, axis=1) + 1e-6)[:, None] * q_scale
-    k = k / tl.sqrt_rn(tl.sum(k * k, axis=1) + 1e-6)[:, None]
-    rows = row0 + tt
-    live = tt < T
-    if RF > 0:  # f_a rows: this head's columns of f_b here
-        f = low_rank_up(f_ptr, stride_f, fb_ptr, row0, T, h * K, TP, K, RF, X8, INTERPRETER)
-    else:
-        f = tl.load(f_ptr + rows[:, None] * stride_f + h * K + kk[None, :], mask=live[:, None],
-                    other=0.0).to(tl.float32)  # fmt: skip
-    decay = forget_decay(f + dt[None, :], a, lower_bound, HAS_LB, INTERPRETER)
-    beta = torch_sigmoid(tl.load(b_ptr + rows * stride_b + h, mask=live, other=0.0).to(tl.float32),
-                         INTERPRETER)  # fmt: skip
+    new_q, new_k, new_v, dst, n_cols, cols = new_windows(
+        conv_row, qkv_ptr, cq, ck, cv, offset, stride_cc, stride_qkv, row0, T, W, NCP, KEEP
+    )
+    q, k, v, decay, beta = token_inputs(
+        conv_row, qkv_ptr, conv_w_ptr, f_ptr, fb_ptr, b_ptr, tt, h, cq, ck, cv, kk, offset,
+        stride_cc, stride_qkv, stride_f, stride_b, row0, dt, a, q_scale, lower_bound, T, TP, K,
+        W, HAS_LB, RF, X8, INTERPRETER)  # fmt: skip
+    rows, live = row0 + tt, tt < T
     if NV > 1 and RG > 0:  # a split head: each slice projects its own gate columns now, in
         # parallel, rather than the head's last CTA all V of them after everyone
         g_slice = low_rank_up(gate_ptr, stride_g, gb_ptr, row0, T, h * V + jv * BV, TP, BV, RG, X8,

@@ -28,11 +28,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from glm5_kernels.kda.triton_kda import (
     arrive_last,
-    conv_window,
-    forget_decay,
     low_rank_up,
+    new_windows,
     norm_head,
-    short_conv,
+    token_inputs,
 )
 from glm5_kernels.triton_primitives import narrow, round_bf16, torch_sigmoid
 
@@ -61,35 +60,13 @@ def kda_inputs_kernel(
     offset = tl.load(conv_off_ptr + r)
     row0 = r * T
     rows, live = row0 + tt, tt < T
-    # The conv state's new window (a verify keeps its W-2+T newest rows from column 0, a
-    # decode moves its window at the offset on by T): read before any column is written.
-    cols = tl.arange(0, NCP)
-    if KEEP:
-        n_cols, shift, dst = W - 2 + T, 1, cols
-    else:
-        n_cols, shift, dst = W - 1, T, offset + cols
-    new_q = conv_window(conv_row, qkv_ptr, cols, shift, n_cols, cq, offset, stride_cc, stride_qkv,
-                        row0, W)  # fmt: skip
-    new_k = conv_window(conv_row, qkv_ptr, cols, shift, n_cols, ck, offset, stride_cc, stride_qkv,
-                        row0, W)  # fmt: skip
-    new_v = conv_window(conv_row, qkv_ptr, cols, shift, n_cols, cv, offset, stride_cc, stride_qkv,
-                        row0, W)  # fmt: skip
-    q = short_conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, cq, offset, stride_cc, stride_qkv, row0, W,
-                   INTERPRETER)  # fmt: skip
-    k = short_conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, ck, offset, stride_cc, stride_qkv, row0, W,
-                   INTERPRETER)  # fmt: skip
-    v = short_conv(conv_row, qkv_ptr, conv_w_ptr, tt, T, cv, offset, stride_cc, stride_qkv, row0, W,
-                   INTERPRETER)  # fmt: skip
-    q = q / tl.sqrt_rn(tl.sum(q * q, axis=1) + 1e-6)[:, None] * q_scale
-    k = k / tl.sqrt_rn(tl.sum(k * k, axis=1) + 1e-6)[:, None]
-    if RF > 0:
-        f = low_rank_up(f_ptr, stride_f, fb_ptr, row0, T, h * K, TP, K, RF, X8, INTERPRETER)
-    else:
-        f = tl.load(f_ptr + rows[:, None] * stride_f + h * K + kk[None, :], mask=live[:, None],
-                    other=0.0).to(tl.float32)  # fmt: skip
-    decay = forget_decay(f + dt[None, :], a, lower_bound, HAS_LB, INTERPRETER)
-    beta = torch_sigmoid(tl.load(b_ptr + rows * stride_b + h, mask=live, other=0.0).to(tl.float32),
-                         INTERPRETER)  # fmt: skip
+    new_q, new_k, new_v, dst, n_cols, cols = new_windows(
+        conv_row, qkv_ptr, cq, ck, cv, offset, stride_cc, stride_qkv, row0, T, W, NCP, KEEP
+    )
+    q, k, v, decay, beta = token_inputs(
+        conv_row, qkv_ptr, conv_w_ptr, f_ptr, fb_ptr, b_ptr, tt, h, cq, ck, cv, kk, offset,
+        stride_cc, stride_qkv, stride_f, stride_b, row0, dt, a, q_scale, lower_bound, T, TP, K,
+        W, HAS_LB, RF, X8, INTERPRETER)  # fmt: skip
     at_k = (rows[:, None] * H + h) * K + kk[None, :]
     tl.store(q_ptr + at_k, q, mask=live[:, None])
     tl.store(k_ptr + at_k, k, mask=live[:, None])
