@@ -247,7 +247,7 @@ def main() -> None:
     parser.add_argument("--heads", default="16,64")
     parser.add_argument("--requests", default="1,2,4,8,16,32,64")
     parser.add_argument("--q", default="1,2,4")
-    parser.add_argument("--sweep", action="store_true", help="time every (BV, warps) tile too")
+    parser.add_argument("--sweep", action="store_true", help="time SWEEP's tiles too")
     parser.add_argument("--tiles", help="instead of --sweep's: BVxWARPSxLAUNCHES,...")
     parser.add_argument("--vllm-ops", help="folder of vLLM 0.33's files (vllm_files.py)")
     parser.add_argument("--gates", type=int, default=0, metavar="RANK",
