@@ -11,6 +11,14 @@ Timing: each op is captured many times in one CUDA graph over rotating weight co
 together exceed 4x L2 (every call streams cold weights); median over replays / calls.
 Every timed op is first checked against its FP64 reference.
 
+`--chain` also times each projection (not the dense MLP) as the step runs it: after a kernel
+it depends on. A link is `handoff_kernel` (it writes the projection's input from the
+previous link's output, after its PDL wait) then the projection; the links, each on its own
+weights, in one graph. `chain_us` is a link's time with PDL (the projection's first weight
+lines requested before its wait, under the handoff), `chain_no_pdl_us` the same launches
+without it; `chain_hbm_fraction` the projection's floor over `chain_us` (the handoff, a few
+KB, is charged to the link).
+
     PYTHONPATH=packages/glm5-kernels/src python benchmarks/skinny_gemm.py \\
         --out benchmarks/results/skinny_gemm_h200.json
 """
@@ -23,7 +31,10 @@ import time
 from dataclasses import replace
 
 import torch
+import triton
+import triton.language as tl
 from provenance import provenance, result_args, write_result
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from glm5_kernels.gemm import (
     DenseMlp,
@@ -122,6 +133,52 @@ def build(kind, n, k, m, copies, gen, tile: Tile | None):
     return ours, stock, name, nbytes, err, plan and vars(plan), unreduced
 
 
+@triton.jit
+def handoff_kernel(y_ptr, x_ptr, total, K, N, stride_y, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """x[m, k] = y[m, k % N] as BF16: the next projection's input written from the previous
+    one's output, so each link depends on the one before (as a projection depends on the
+    boundary or the attention core before it in the step). It releases its dependent right
+    after its wait, as a small kernel of the step does."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offs < total
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    m, k = offs // K, offs % K
+    y = tl.load(y_ptr + m * stride_y + k % N, mask=live, other=0.0)
+    tl.store(x_ptr + offs, y.to(tl.bfloat16), mask=live)
+
+
+def chain(kind, n, k, m, copies, gen, pdl: bool) -> float:
+    """µs a link of the dependent chain (the module docstring): `copies` projections of the
+    shape on their own weights, each after the handoff from the one before; pdl False:
+    every launch of the chain without PDL (the projections' tiles too)."""
+    ops, xs, ys = [], [], []
+    for _ in range(copies):
+        if kind == "fp8":
+            w = torch.randn(n, k, generator=gen, device="cuda") / k**0.5
+            op = Fp8Linear(*quantize_fp8_block_ref(w))
+        else:
+            w = (torch.randn(n, k, generator=gen, device="cuda") / k**0.5).bfloat16()
+            op = Router(w) if kind == "router" else Projection(w)
+        tile = op.tiles[m]
+        op.tiles[m] = replace(tile, pdl=pdl and tile.pdl, prefetch=tile.prefetch if pdl else 0)
+        op.prepare([m])
+        ops.append(op)
+        xs.append(torch.randn(m, k, generator=gen, device="cuda").bfloat16())
+        ys.append(torch.randn(m, n, generator=gen, device="cuda").to(op.out_dtype))
+    block = 1024
+    grid = (-(-m * k // block),)
+
+    def link(i: int) -> None:
+        y, x = ys[i - 1], xs[i]
+        handoff_kernel[grid](y, x, m * k, k, n, y.stride(0), BLOCK=block, PDL=pdl,
+                             launch_pdl=pdl)  # fmt: skip
+        ops[i](x, out=ys[i])
+
+    return graph_calls_us([lambda i=i: link(i) for i in range(copies)])
+
+
 def copies_for(nbytes: int, l2: int) -> int:
     return max(2, min(24, -(-4 * l2 // nbytes)))
 
@@ -132,10 +189,16 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,2,4,8,16,32,64")
     parser.add_argument("--ops", default="", help="comma-separated op names (default: all)")
     parser.add_argument("--sweep", action="store_true", help="also time alternative tiles")
+    parser.add_argument("--chain", action="store_true",
+                        help="also time each projection after a kernel it depends on, PDL on "
+                        "and off")  # fmt: skip
     result_args(parser)
     args = parser.parse_args()
     if args.table:
         print(table(args.table))
+        chained = chain_table(args.table)
+        if chained:
+            print("\n" + chained)
         return
     gen = torch.Generator("cuda").manual_seed(0)
     props = torch.cuda.get_device_properties(0)
@@ -166,6 +229,10 @@ def main() -> None:
                 row["speedup_vs_stock"] = (
                     row["stock_us"] / row["ours_us"] if row["stock_us"] else None
                 )
+                if args.chain and kind != "mlp":
+                    row["chain_us"] = chain(kind, n, k, m, copies, gen, pdl=True)
+                    row["chain_no_pdl_us"] = chain(kind, n, k, m, copies, gen, pdl=False)
+                    row["chain_hbm_fraction"] = row["floor_us"] / row["chain_us"]
                 if args.sweep and kind != "mlp":
                     row["sweep"] = sweep(kind, n, k, m, copies, gen, row["tile"])
                 print(
@@ -173,7 +240,13 @@ def main() -> None:
                     f"{row['ours_us']:8.1f} us ({row['hbm_fraction']:.0%} HBM)  stock "
                     + (f"{row['stock_us']:8.1f} us" if row["stock_us"] else "    n/a")
                     + f"  err {err:.1e}"
-                    + (f"  unreduced {row['unreduced_us']:.1f} us" if unreduced else ""),
+                    + (f"  unreduced {row['unreduced_us']:.1f} us" if unreduced else "")
+                    + (
+                        f"  chain {row['chain_us']:.1f} us ({row['chain_hbm_fraction']:.0%} HBM),"
+                        f" no PDL {row['chain_no_pdl_us']:.1f}"
+                        if "chain_us" in row
+                        else ""
+                    ),
                     flush=True,
                 )
                 rows.append(row)
@@ -210,6 +283,27 @@ def table(path: str) -> str:
                 for m in ms
             )
             out.append(f"| {tp} | {op} | {at[1]['bytes'] / 1e6:.1f} | {us} | {hbm} | {vs} |")
+    return "\n".join(out)
+
+
+def chain_table(path: str) -> str:
+    """The `--chain` rows as a markdown table: a projection's link after a kernel it depends
+    on, with and without PDL ("" where the run had no `--chain`)."""
+    with open(path) as f:
+        rows = [r for r in json.load(f)["rows"] if "chain_us" in r]
+    if not rows:
+        return ""
+    out = [
+        "| TP | op | MB | alone µs | chain µs (% of HBM floor) | no PDL µs | PDL gain |",
+        "| --- | --- | --: | --: | --: | --: | --: |",
+    ]
+    for r in rows:
+        gain = r["chain_no_pdl_us"] / r["chain_us"] - 1
+        out.append(
+            f"| {r['tp']} | {r['op']} (M {r['m']}) | {r['bytes'] / 1e6:.1f} | {r['ours_us']:.1f} "
+            f"| {r['chain_us']:.1f} ({r['chain_hbm_fraction']:.0%}) | {r['chain_no_pdl_us']:.1f} "
+            f"| {gain:+.0%} |"
+        )
     return "\n".join(out)
 
 
