@@ -304,11 +304,18 @@ def kda_cases(arch: int) -> int:
         constexprs = {"T": t, "TP": tp, "K": 128, "V": 128, "BV": bv, "W": 4,
                       "NCP": 1 << (1 + t).bit_length(), "KEEP": keep, "HAS_LB": lb, "RF": rank,
                       "RG": rank, "X8": rank > 0, "INTERPRETER": False,
-                      "PDL": True}  # fmt: skip
+                      "PDL": True, "STATE_EARLY": bv <= 32 and warps >= 2}  # fmt: skip
         ptx = _compile(kda_decode_kernel, types, constexprs, arch, num_warps=warps)
         # PDL, a split head's hand-off through an atomic, and no spills
         assert "griddepcontrol.wait" in ptx and ("atom" in ptx) == (bv < 128), (t, keep, lb, bv)
         assert "st.local" not in ptx, (t, keep, lb, bv)
+        # The state slice read before the PDL wait where KdaDecode asks (a thread's share of
+        # it in 32-bit words; unvectorized here, where the strides are not known aligned).
+        before = ptx[: ptx.find("griddepcontrol.wait")]
+        words = sum(int(v or 1) for v in re.findall(r"ld\.global[.a-z0-9:]*?(?:\.v(\d))?\.[bfu]32",
+                                                     before))  # fmt: skip
+        early = words >= bv * 128 // (warps * 32)
+        assert early == constexprs["STATE_EARLY"], ("state read", t, bv, warps, words)
         shuffles[t, bv, warps, rank] = ptx.count("shfl.sync")
         n += 1
     # The gates' projection sums its products within a thread: a few shuffles more than the
@@ -341,8 +348,11 @@ def kda_two_launch_cases(arch: int, types: dict) -> int:
         ptx = _compile(kda_inputs_kernel, types, constexprs, arch, aligned, num_warps=warps)
         assert _spill_bytes(ptx, arch) == 0, ("inputs", t, rank)
         n += 1
-    for t, keep, bv, warps, rank in ((1, False, 32, 4, 0), (4, True, 32, 4, 0),
-                                     (2, True, 16, 1, 0), (8, True, 128, 8, 128)):  # fmt: skip
+    # KdaDecode.plan's two-launch tiles, and a verify of 8 with the gates' projections.
+    for t, keep, bv, warps, rank in ((1, False, 16, 1, 0), (1, False, 128, 8, 0),
+                                     (2, True, 16, 1, 0), (2, True, 32, 4, 0),
+                                     (4, True, 16, 1, 0), (4, True, 32, 4, 0),
+                                     (8, True, 128, 8, 128)):  # fmt: skip
         constexprs = {"T": t, "TP": 1 << (t - 1).bit_length(), "K": 128, "V": 128, "BV": bv,
                       "NW": warps, "KEEP": keep, "RG": rank, "INTERPRETER": False,
                       "PDL": True}  # fmt: skip

@@ -96,22 +96,27 @@ class KdaDecode:
         return 1 <= tokens <= self.max_tokens
 
     def plan(self, requests: int, tokens: int = 1) -> tuple[int, int, int]:
-        """(BV, warps, launches) for `requests` x `tokens` (the H200 sweep of
-        benchmarks/kda_decode.py): few heads in the step split each head's state over V // BV
-        CTAs (one SM moves a 64 KB head too slowly), many keep a head whole (a split
-        recomputes q / k and hands the norm to the head's last CTA). Slices of at least 16
-        rows. One launch: the two-launch step (`triton_split`) is timed by the benchmark
-        (`--tiles` / `--sweep`), not yet chosen."""
+        """(BV, warps, launches) for `requests` x `tokens`: few heads in the step split each
+        head's state over V // BV CTAs of one launch (one SM moves a 64 KB head too slowly),
+        more keep a head whole, and from 1,024 heads x requests at a decode or a 2-token
+        verify (from 17 at a 3- or 4-token one) the step takes two launches (`triton_split`:
+        5-14 % faster there). The one-launch tiles are the H200 sweep's
+        (`kda_decode_h200*.json`), the two-launch ones the H100's
+        (`kda_decode_two_launch_h100.json`); above 4 tokens, one launch (two not timed)."""
         if self.tile is not None:
             return self.tile
         heads = requests * self.heads
         if tokens == 1:
-            bv, warps = (16, 2) if heads <= 64 else (128, 8)
-        elif tokens == 2:  # one warp a slice from 256 heads: 10-25 % faster at 256-4096
-            bv, warps = (32, 2) if heads <= 128 else (32, 1)
+            tile = ((16, 2, 1) if heads <= 64 else (128, 8, 1) if heads < 1024
+                    else (16, 1, 2) if heads < 4096 else (128, 8, 2))  # fmt: skip
+        elif tokens == 2:  # one warp a slice from 256 heads: 10-25 % faster at 256-1024
+            tile = ((32, 2, 1) if heads <= 128 else (32, 1, 1) if heads < 1024
+                    else (16, 1, 2) if heads < 4096 else (32, 4, 2))  # fmt: skip
+        elif tokens <= 4:
+            tile = (32, 4, 1) if heads <= 16 else (16, 1, 2) if heads < 256 else (32, 4, 2)
         else:
-            bv, warps = (32, 4) if heads <= 16 else (64, 4) if heads <= 128 else (128, 4)
-        return min(bv, self.v), warps, 1
+            tile = (32, 4, 1) if heads <= 16 else (64, 4, 1) if heads <= 128 else (128, 4, 1)
+        return min(tile[0], self.v), tile[1], tile[2]
 
     def prepare(self, tokens=None) -> None:
         """Compile the steps a decode loop runs — a decode of one token per request, a
@@ -216,7 +221,11 @@ class KdaDecode:
                 self._part, self._count, self._gbuf,
                 *(_row_stride(x) for x in (qkv, f, b, gate, out)),
                 conv.stride(0), conv.stride(1), recurrent.stride(0),
-                h, q_scale, bound, self.eps, BV=bv, num_warps=warps, **common,
+                h, q_scale, bound, self.eps, BV=bv, num_warps=warps,
+                # Slices of up to 32 rows on 2+ warps (the small steps') read the state
+                # before the PDL wait: 0.3-0.9 us faster at 16-64 heads x requests on the
+                # H100; at the larger tiles' steps 0.4-1 us slower (later waves overlap nothing).
+                STATE_EARLY=bv <= 32 and warps >= 2, **common,
             )  # fmt: skip
             return out
         n = r * t * h

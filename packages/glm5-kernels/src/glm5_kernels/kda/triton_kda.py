@@ -189,22 +189,30 @@ def kda_decode_kernel(
     W: tl.constexpr, NCP: tl.constexpr, KEEP: tl.constexpr, HAS_LB: tl.constexpr,
     RF: tl.constexpr, RG: tl.constexpr, X8: tl.constexpr,
     INTERPRETER: tl.constexpr, PDL: tl.constexpr,
+    STATE_EARLY: tl.constexpr = False,  # the state read before the PDL wait (small slices)
 ):  # fmt: skip
     NV: tl.constexpr = V // BV
     r, h, jv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kk, vv, tt = tl.arange(0, K), jv * BV + tl.arange(0, BV), tl.arange(0, TP)
     cq, ck, cv = h * K + kk, H * K + h * K + kk, 2 * H * K + h * V + vv
-    # The head's small weights first: they do not depend on the previous kernel.
+    # Before the PDL wait, what does not depend on the previous kernel: the head's small
+    # weights, and (STATE_EARLY) this slice of the state, the step's largest read, which then
+    # overlaps that kernel's tail. The state was written by this layer's previous step, and
+    # every kernel since has completed (the kernel that released this one had waited on its
+    # own predecessor, and so on back); the slots are the step's placement, copied before it.
     a = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     dt = tl.load(dt_bias_ptr + h * K + kk).to(tl.float32)
+    state_at = h * (V * K) + vv[:, None] * K + kk[None, :]
+    if STATE_EARLY:
+        s = tl.load(rec_ptr + tl.load(read_slot_ptr + r).to(tl.int64) * stride_rs + state_at)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+    if not STATE_EARLY:
+        s = tl.load(rec_ptr + tl.load(read_slot_ptr + r).to(tl.int64) * stride_rs + state_at)
     conv_row = conv_ptr + tl.load(conv_slot_ptr + r).to(tl.int64) * stride_cs
     offset = tl.load(conv_off_ptr + r)
     row0 = r * T
-    state_at = h * (V * K) + vv[:, None] * K + kk[None, :]
-    s = tl.load(rec_ptr + tl.load(read_slot_ptr + r).to(tl.int64) * stride_rs + state_at)
     new_q, new_k, new_v, dst, n_cols, cols = new_windows(
         conv_row, qkv_ptr, cq, ck, cv, offset, stride_cc, stride_qkv, row0, T, W, NCP, KEEP
     )
