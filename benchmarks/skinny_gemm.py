@@ -286,11 +286,11 @@ def table(path: str) -> str:
     return "\n".join(out)
 
 
-def chain_table(path: str) -> str:
-    """The `--chain` rows as a markdown table: a projection's link after a kernel it depends
-    on, with and without PDL ("" where the run had no `--chain`)."""
+def chain_table(path: str, m: int = 1) -> str:
+    """The `--chain` rows at M = m as a markdown table: a projection's link after a kernel it
+    depends on, with and without PDL ("" where the run had no `--chain`)."""
     with open(path) as f:
-        rows = [r for r in json.load(f)["rows"] if "chain_us" in r]
+        rows = [r for r in json.load(f)["rows"] if "chain_us" in r and r["m"] == m]
     if not rows:
         return ""
     out = [
@@ -300,7 +300,7 @@ def chain_table(path: str) -> str:
     for r in rows:
         gain = r["chain_no_pdl_us"] / r["chain_us"] - 1
         out.append(
-            f"| {r['tp']} | {r['op']} (M {r['m']}) | {r['bytes'] / 1e6:.1f} | {r['ours_us']:.1f} "
+            f"| {r['tp']} | {r['op']} | {r['bytes'] / 1e6:.1f} | {r['ours_us']:.1f} "
             f"| {r['chain_us']:.1f} ({r['chain_hbm_fraction']:.0%}) | {r['chain_no_pdl_us']:.1f} "
             f"| {gain:+.0%} |"
         )
