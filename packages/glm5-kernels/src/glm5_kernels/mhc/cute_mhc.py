@@ -74,6 +74,7 @@ H = 4  # residual streams (GLM-5.3-Flash)
 NMIX = (2 + H) * H  # mix logits: pre [H], post [H], comb [H, H]
 GRAM = ((0, 0), (0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3), (2, 2), (2, 3), (3, 3))
 NPART = NMIX + len(GRAM)  # the partial sums of one token: 34
+MIX = H + H * H  # a token's post and comb, as a boundary reads them
 CLUSTER = 16  # CTAs a cluster (H100 / H200 allow 16 with the non-portable attribute)
 # Two CTAs an SM (`min_blocks_per_mp`: ptxas keeps a 256-thread CTA within 128 registers;
 # the 2- and 4-token builds took 143 / 188 unbounded, so 16 clusters of 16 ran as two waves
@@ -313,7 +314,7 @@ class CuteBoundary:
         # Rank 0's Sinkhorn warp's streams and norm weight, for warp 0 to normalize.
         sHand = smem.allocate_tensor(Float32, _rows((TB, H + 1, 32)), 16)
         # A deferred comb's post and balanced comb, by token slot (pend_in).
-        sMix = smem.allocate_tensor(Float32, _rows((TB, H + H * H)), 16)
+        sMix = smem.allocate_tensor(Float32, _rows((TB, MIX)), 16)
         mbar = smem.allocate_array(cutlass.Int64, 1)
 
         # Independent of the previous kernel: the weights, and the mbarrier that counts the
@@ -348,19 +349,30 @@ class CuteBoundary:
                 cute.arch.fence_acq_rel_gpu()
         if const_expr(self.pdl):
             cute.arch.griddepcontrol_launch_dependents()
-        # Phase 1: the streams of this column, stored, and their partial sums. The first
-        # tokens' inputs are requested first: where comb comes deferred, they are in flight
-        # while the Sinkhorn warp finishes (the barrier that publishes sMix). Up to two
-        # tokens a cluster: at four, beside fn's 96 registers, the four tokens' inputs
-        # spilled 252 bytes and the first token's alone 100 (ptxas -v, SM90).
-        early = TB if TB <= 2 else 0
+        # Phase 1: the streams of this column, stored, and their partial sums. Every
+        # token's inputs are requested first, in flight while post and comb reach sMix
+        # (the barrier that publishes it). Where comb comes deferred, up to two tokens a
+        # cluster: at four, beside fn's 96 registers and the Sinkhorn code, the four tokens'
+        # inputs spilled 140 bytes (ptxas -v, SM90; otherwise 8).
+        early = TB if TB <= 2 or not self.pend_in else 0
         rIn = cute.make_rmem_tensor(cute.make_layout((TB, 1 + H)), Float32)
         for i in cutlass.range_constexpr(early):
             for k in cutlass.range_constexpr(1 + H):
                 rIn[i, k] = Float32(0.0)
             if t0 + i < tokens:
                 self._inputs(rIn, i, t0 + i, col, mX, mRes)
-        if const_expr(self.pend_in):  # sMix, from the Sinkhorn warp
+        if const_expr(self.mode == POST and not self.pend_in):  # noqa: SIM102 (compile-time)
+            # Post and comb of the cluster's tokens into sMix, a value a thread: one round
+            # trip for all of them, where every thread read its token's 20 after the
+            # previous token's stores (four tokens a cluster: four round trips in a row).
+            if tid < TB * MIX:
+                i, k = tid // MIX, tid % MIX
+                if t0 + i < tokens:
+                    if k < H:
+                        sMix[i, k] = mPost[t0 + i, k]
+                    else:
+                        sMix[i, k] = mComb[t0 + i, k - H]
+        if const_expr(self.mode == POST):  # sMix, from the Sinkhorn warp or the loads above
             cute.arch.barrier()
         self._stamp(*at, 1)
 
@@ -372,7 +384,7 @@ class CuteBoundary:
             if t < tokens:
                 if const_expr(i >= early):
                     self._inputs(rIn, i, t, col, mX, mRes)
-                self._streams(rS, rIn, i, t, mPost, mComb, sMix)
+                self._streams(rS, rIn, i, sMix)
                 if const_expr(self.store):
                     for h in cutlass.range_constexpr(H):
                         mStreams[t, h * D + col] = rS[i, h].to(BFloat16)
@@ -481,9 +493,10 @@ class CuteBoundary:
             for h in range(H):
                 rIn[i, 1 + h] = mRes[t, h * D + col].to(Float32)
 
-    def _streams(self, rS, rIn, i, t, mPost, mComb, sMix):
-        """rS[i, :] = the streams of token t (slot i) at this column from its inputs rIn[i]
-        (FP32 holding BF16 values); post and comb from sMix where they were deferred."""
+    def _streams(self, rS, rIn, i, sMix):
+        """rS[i, :] = the streams of token slot i at this column from its inputs rIn[i]
+        (FP32 holding BF16 values); post and comb from sMix (read there after the PDL wait,
+        or balanced there before it where comb was deferred)."""
         if const_expr(self.mode == GIVEN):
             for h in range(H):
                 rS[i, h] = rIn[i, 1 + h]
@@ -499,12 +512,8 @@ class CuteBoundary:
             # the whole value.
             x = rIn[i, 0]
             r = [rIn[i, 1 + j] for j in range(H)]
-            if const_expr(self.pend_in):
-                post = [sMix[i, h] for h in range(H)]
-                comb = [sMix[i, H + k] for k in range(H * H)]
-            else:
-                post = [mPost[t, h] for h in range(H)]
-                comb = [mComb[t, k] for k in range(H * H)]
+            post = [sMix[i, h] for h in range(H)]
+            comb = [sMix[i, H + k] for k in range(H * H)]
             for h in range(H):
                 placed = _bf16(_bf16(post[h]) * x)
                 mixed = _bf16(comb[h]) * r[0]
