@@ -323,12 +323,14 @@ def table(path: str) -> str:
     out = [
         f"{result['gpu']}, {result['date']}, commit {result['commit']}: `{result['command']}`",
         "",
-        "| heads | requests | q | ours µs (× floor) | best tile µs | glm µs | fla µs | launches "
+        "| heads | requests | q | ours µs (× floor) | best µs (tile) | glm µs | fla µs | launches "
         "(ours / glm / fla) | glm / ours | fla / ours |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["rows"]:
-        tiles = r.get("tiles_us") or {"-": r["us"]}
+        # The plan's own tile is a candidate too: the ratios are over the fastest of all.
+        plan = "x".join(map(str, r["tile"])) if r.get("tile") else "plan"
+        tiles = {plan: r["us"], **(r.get("tiles_us") or {})}
         best = min(tiles, key=tiles.get)
 
         out.append(
