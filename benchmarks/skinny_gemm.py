@@ -67,6 +67,17 @@ def stock_fp8(x, w, s):
     return lambda xq=xq, sx=sx: scaled_mm_block(xq, sx, w, s)
 
 
+def projection(kind, n, k, gen):
+    """(op, its weights) of a projection shape: BF16 (`bf16`, `router`: FP32 out) or
+    block-FP8 weights (w, scales), random at unit output scale."""
+    w = torch.randn(n, k, generator=gen, device="cuda") / k**0.5
+    if kind == "fp8":
+        wq, s = quantize_fp8_block_ref(w)
+        return Fp8Linear(wq, s), (wq, s)
+    w = w.bfloat16()
+    return (Router(w) if kind == "router" else Projection(w)), (w,)
+
+
 def build(kind, n, k, m, copies, gen, tile: Tile | None):
     """(ours, stock, stock name, bytes touched, max relative error, tile, unreduced) for one
     shape; unreduced: for FP8 GEMMs that split K, the same launches leaving their FP32
@@ -76,8 +87,7 @@ def build(kind, n, k, m, copies, gen, tile: Tile | None):
     name = "cublas"
     for _ in range(copies):
         if kind in ("bf16", "router"):
-            w = (torch.randn(n, k, generator=gen, device="cuda") / k**0.5).bfloat16()
-            op = Router(w) if kind == "router" else Projection(w)
+            op, (w,) = projection(kind, n, k, gen)
             out_bytes = m * n * (4 if kind == "router" else 2)
             nbytes = w.nbytes + x.nbytes + out_bytes
             if kind == "router":
@@ -92,8 +102,7 @@ def build(kind, n, k, m, copies, gen, tile: Tile | None):
                 stock.append(lambda x=x, w=w: x @ w.T)
             ref = linear_ref(x, w, torch.float64)
         elif kind == "fp8":
-            wq, s = quantize_fp8_block_ref(torch.randn(n, k, generator=gen, device="cuda") / k**0.5)
-            op = Fp8Linear(wq, s)
+            op, (wq, s) = projection(kind, n, k, gen)
             nbytes = wq.nbytes + s.nbytes + x.nbytes + m * n * 2
             fn = stock_fp8(x, wq, s)
             if fn is not None:
@@ -155,12 +164,7 @@ def chain(kind, n, k, m, copies, gen, pdl: bool) -> float:
     every launch of the chain without PDL (the projections' tiles too)."""
     ops, xs, ys = [], [], []
     for _ in range(copies):
-        if kind == "fp8":
-            w = torch.randn(n, k, generator=gen, device="cuda") / k**0.5
-            op = Fp8Linear(*quantize_fp8_block_ref(w))
-        else:
-            w = (torch.randn(n, k, generator=gen, device="cuda") / k**0.5).bfloat16()
-            op = Router(w) if kind == "router" else Projection(w)
+        op = projection(kind, n, k, gen)[0]
         tile = op.tiles[m]
         op.tiles[m] = replace(tile, pdl=pdl and tile.pdl, prefetch=tile.prefetch if pdl else 0)
         op.prepare([m])
