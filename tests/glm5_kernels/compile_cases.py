@@ -280,6 +280,7 @@ def kda_cases(arch: int) -> int:
     """The KDA decode kernel at GLM-5.3-Flash's head (K = V = 128, conv width 4, the safe
     gate): decodes (1 token) and verifies of 2, 4 and 8 tokens (every state kept) at the
     plan's tiles, a head split over 8 CTAs to one, and the softplus gate."""
+    from glm5_kernels.kda.decode import state_early
     from glm5_kernels.kda.triton_kda import kda_decode_kernel
 
     types = {n: "*bf16" for n in ("qkv_ptr", "f_ptr", "b_ptr", "gate_ptr", "out_ptr", "conv_ptr",
@@ -304,7 +305,7 @@ def kda_cases(arch: int) -> int:
         constexprs = {"T": t, "TP": tp, "K": 128, "V": 128, "BV": bv, "W": 4,
                       "NCP": 1 << (1 + t).bit_length(), "KEEP": keep, "HAS_LB": lb, "RF": rank,
                       "RG": rank, "X8": rank > 0, "INTERPRETER": False,
-                      "PDL": True, "STATE_EARLY": bv <= 32 and warps >= 2}  # fmt: skip
+                      "PDL": True, "STATE_EARLY": state_early(bv, warps)}  # fmt: skip
         ptx = _compile(kda_decode_kernel, types, constexprs, arch, num_warps=warps)
         # PDL, a split head's hand-off through an atomic, and no spills
         assert "griddepcontrol.wait" in ptx and ("atom" in ptx) == (bv < 128), (t, keep, lb, bv)

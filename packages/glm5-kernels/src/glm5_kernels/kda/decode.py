@@ -20,6 +20,14 @@ from glm5_kernels.launch import capturing, interpreting, use_pdl
 __all__ = ["KdaDecode"]
 
 
+def state_early(bv: int, warps: int) -> bool:
+    """Whether the one-launch kernel at tile (bv, warps) reads its state slice before the PDL
+    wait: slices of up to 32 rows on 2+ warps (the small steps' tiles), 0.3-0.9 us faster at
+    16-64 heads x requests on the H100; at the larger tiles' steps 0.4-1 us slower (more CTAs
+    than fit at once: later waves overlap nothing)."""
+    return bv <= 32 and warps >= 2
+
+
 class KdaDecode:
     """One KDA layer's weights: conv_weight [3C', W] (C' = H*K; q | k | v channels), dt_bias
     [H*K], A_log [H], the output norm's weight [V]; `lower_bound` of the forget gate (None:
@@ -222,10 +230,7 @@ class KdaDecode:
                 *(_row_stride(x) for x in (qkv, f, b, gate, out)),
                 conv.stride(0), conv.stride(1), recurrent.stride(0),
                 h, q_scale, bound, self.eps, BV=bv, num_warps=warps,
-                # Slices of up to 32 rows on 2+ warps (the small steps') read the state
-                # before the PDL wait: 0.3-0.9 us faster at 16-64 heads x requests on the
-                # H100; at the larger tiles' steps 0.4-1 us slower (later waves overlap nothing).
-                STATE_EARLY=bv <= 32 and warps >= 2, **common,
+                STATE_EARLY=state_early(bv, warps), **common,
             )  # fmt: skip
             return out
         n = r * t * h
