@@ -65,10 +65,11 @@ def inputs(m: int, gen):
     return x, streams, post, comb, fn, scale, base, norm, logits
 
 
-def deferred(s):
-    """A set's inputs with comb as the pending logits of a boundary done before."""
+def deferred(s, op: MhcBoundary):
+    """A set's inputs with comb as the pending logits of a boundary done before (ready
+    words for `op`'s clusters)."""
     x, streams, post, _, fn, scale, base, norm, logits = s
-    ready = torch.full((MhcBoundary.cute_groups(len(x)),), READY, dtype=torch.int32,
+    ready = torch.full((op.cute_groups(len(x)),), READY, dtype=torch.int32,
                        device="cuda")  # fmt: skip
     return x, streams, post, PendingComb(logits, ready), fn, scale, base, norm
 
@@ -123,13 +124,14 @@ def main() -> None:
         for m in (int(t) for t in args.tokens.split(",")):
             for path in paths:
                 s = inputs(m, gen)
-                ops[path].post_pre(*(deferred(s) if path == "cute_deferred" else s[:8]))
+                ops[path].post_pre(*(deferred(s, ops[path]) if path == "cute_deferred" else s[:8]))
         torch.cuda.synchronize()
         return
     if args.phases:
         kinds = ([(False, False)] if paths != ["cute_deferred"] else []) + (
             [(True, True), (True, False)] if "cute_deferred" in paths else [])  # fmt: skip
-        found = [phases(int(m), [inputs(int(m), gen) for _ in range(COPIES)], *kind)
+        op = ops.get("cute", ops.get("cute_deferred"))
+        found = [phases(int(m), [inputs(int(m), gen) for _ in range(COPIES)], op, *kind)
                  for m in args.tokens.split(",") for kind in kinds]  # fmt: skip
         write_result(args.out, provenance("boundary", args) | {"phases": found})
         return
@@ -142,7 +144,7 @@ def main() -> None:
         stock_us = graph_calls_us(stocks)
         for path in paths:
             op = ops[path]
-            given = [deferred(s) if path == "cute_deferred" else s[:8] for s in sets]
+            given = [deferred(s, op) if path == "cute_deferred" else s[:8] for s in sets]
             ours = [lambda s=s, op=op: op.post_pre(*s) for s in given]
             got = list(ours[0]())
             got[2] = op.resolve_comb(got[2])
@@ -176,8 +178,8 @@ def _sweep(path: str, op: MhcBoundary, m: int, ours) -> list[dict]:
     if path == "cute_deferred":  # its pending inputs are sized by the plan's clusters
         return out
     if path == "cute":
-        for tb in (1, 2, 4, 8):
-            if -(-m // tb) > 16:  # more clusters than GPCs x 2 could hold at once
+        for tb in (1, 2, 3, 4, 5, 6, 8):
+            if -(-m // tb) > 16 or tb > m:  # the plan's cap; a cluster with no token
                 continue
             op.cute_tb = lambda _m, tb=tb: tb
             ours[0]()  # compiled outside the capture
@@ -199,22 +201,23 @@ def _sweep(path: str, op: MhcBoundary, m: int, ours) -> list[dict]:
     return out
 
 
-def phases(m: int, sets, deferred: bool = False, chained: bool = False) -> dict:
+def phases(m: int, sets, op: MhcBoundary, deferred: bool = False,
+           chained: bool = False) -> dict:  # fmt: skip
     """The timestamped CuTe boundary's chain over `sets` (one call each) at m tokens: the
     median over calls 2.. of each interval (module docstring), in µs. `deferred`: every call
     takes a pending comb and leaves its own so — `chained`, the previous call's (set at its
     very end: no sublayer between), else its set's logits, ready before the chain starts (as
-    a step's comb is, a sublayer after its boundary)."""
+    a step's comb is, a sublayer after its boundary). `op`: its plan's tokens a cluster."""
     from glm5_kernels.mhc import cute_mhc
 
-    c, tb = CONFIG, MhcBoundary.cute_tb(m)
+    c, tb = CONFIG, op.cute_tb(m)
     kernel = cute_mhc.compile_boundary(
         cute_mhc.slot_dtypes(("float32", "float32", "float32", "bfloat16")), mode=POST,
         head=False, store=True, tb=tb, hidden=D, rms_eps=c.rms_eps, hc_eps=c.hc_eps,
         norm_eps=c.norm_eps, post_mult=c.post_mult, sinkhorn_iters=c.sinkhorn_iters, pdl=True,
         phases=True, pend_in=deferred, pend_out=deferred,
     )  # fmt: skip
-    n, groups = len(cute_mhc.PHASES), MhcBoundary.cute_groups(m)
+    n, groups = len(cute_mhc.PHASES), op.cute_groups(m)
     stamps = torch.zeros(len(sets), m, cute_mhc.CLUSTER * 2 * n, dtype=torch.int64,
                          device="cuda")  # fmt: skip
     outs = [(torch.empty(m, H, D, dtype=torch.bfloat16, device="cuda"),

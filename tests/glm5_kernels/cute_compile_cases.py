@@ -6,21 +6,22 @@ import sys
 from pathlib import Path
 
 from glm5_kernels.mhc import cute_mhc
-from glm5_kernels.mhc.boundary import EXPAND, GIVEN, POST, MhcBoundary
+from glm5_kernels.mhc.boundary import EXPAND, GIVEN, POST, tokens_a_cluster
 
 CONFIG = dict(hidden=4096, rms_eps=1e-6, hc_eps=1e-6, norm_eps=1e-5, post_mult=2.0,
               sinkhorn_iters=20, pdl=True)  # fmt: skip
 
 
 def mhc_cases() -> int:
-    """Every mode at one token a cluster, the post at every tokens-a-cluster the plan uses,
+    """Every mode at one token a cluster, the post at every tokens-a-cluster a plan uses,
     BF16 mix weights once; with comb deferred (`pend_in`: the previous boundary's comb
     balanced here, `pend_out`: this one's left as logits), every mode that takes or leaves a
     comb and the post at every tokens-a-cluster."""
     f32 = ("float32", "float32", "float32", "bfloat16")
     bf16 = ("bfloat16", "bfloat16", "bfloat16", "float32")
     given, expand, post = GIVEN, EXPAND, POST
-    tbs = sorted({MhcBoundary.cute_tb(m) for m in range(1, 65)})
+    # What a GPU that runs 11..16 clusters at once plans (an H100: 14) at 1..64 tokens.
+    tbs = sorted({tokens_a_cluster(m, c) for m in range(1, 65) for c in range(11, 17)})
     cases = [(given, False, False, 1, f32), (expand, False, True, 1, f32),
              (post, True, False, 1, f32), (post, False, True, 1, bf16)]  # fmt: skip
     cases += [(post, False, True, tb, f32) for tb in tbs]

@@ -28,7 +28,7 @@ from glm5_kernels.mhc import (
     hc_post_ref,
     hc_pre_ref,
 )
-from glm5_kernels.mhc.boundary import _Plan
+from glm5_kernels.mhc.boundary import MAX_CLUSTERS, _Plan, tokens_a_cluster
 from glm5_kernels.mhc.reference import sinkhorn_ref
 from glm5_kernels.norm import rms_norm_ref
 
@@ -217,6 +217,7 @@ def test_cute_tokens_fall_back_to_triton_with_one_warning(caplog):
     warnings = [r for r in caplog.records if "CuTe DSL" in r.getMessage()]
     assert len(warnings) == 1 and "CUDA device" in warnings[0].getMessage()
     assert op.cute_tokens == frozenset()
+    assert op.resident_clusters() == MAX_CLUSTERS  # nothing asked of a driver
     fn, scale, base, norm = site_weights(c, "cpu", gen)
     x, streams, post, comb = boundary_inputs(c, 3, "cpu", gen)
     got = op.post_pre(x, streams, post, comb, fn, scale, base, norm, out=poisoned_out(c, 3, "cpu"))
@@ -274,10 +275,13 @@ def test_a_bad_pending_comb_is_named():
                          torch.empty(3, 64, dtype=torch.bfloat16)))  # fmt: skip
 
 
-@pytest.mark.parametrize("m", range(1, 65))
-def test_cute_plan_keeps_clusters_within_sixteen(m):
-    """Tokens a cluster: one up to 16 tokens, then the fewest that keep 16 clusters (256
-    CTAs, two an SM), and every token covered."""
-    tb = MhcBoundary.cute_tb(m)
-    assert tb in (1, 2, 4) and -(-m // tb) <= 16
-    assert tb == 1 or -(-m // (tb // 2)) > 16
+@pytest.mark.parametrize("clusters", [1, 8, 11, 14, 16, 20])
+def test_cute_plan_keeps_every_cluster_resident(clusters):
+    """Tokens a cluster where `clusters` run at once: the fewest that keep the clusters
+    within them and within 16 (one token a cluster up to 16 tokens even on a GPU that
+    holds more), every token covered."""
+    fit = min(clusters, MAX_CLUSTERS)
+    for m in range(1, 65):
+        tb = tokens_a_cluster(m, clusters)
+        assert -(-m // tb) <= fit and (tb == 1 or -(-m // (tb - 1)) > fit), m
+    assert tokens_a_cluster(16, 20) == 1 and tokens_a_cluster(16, 14) == 2

@@ -32,11 +32,13 @@ from glm5_kernels.mhc import (
     hc_post_ref,
     hc_pre_ref,
 )
+from glm5_kernels.mhc.boundary import MAX_CLUSTERS, POST
 from glm5_kernels.norm import rms_norm_ref
 
 pytestmark = pytest.mark.gpu
 
-TOKENS = [1, 2, 3, 8, 13, 16, 29, 47, 64]  # 29: two tokens a cluster (cute_tb)
+# 16 / 29 / 47 / 64: two / three / four / five tokens a cluster where 14 clusters fit (H100)
+TOKENS = [1, 2, 3, 8, 13, 16, 29, 47, 64]
 
 
 def _boundary(c, kind):
@@ -64,7 +66,7 @@ def _prepare(op, kind, tokens):
         assert op.defer_tokens == (frozenset(TOKENS) if kind == "cute_deferred" else frozenset())
 
 
-def _poisoned(c, m, kind, head=False):
+def _poisoned(op, c, m, kind, head=False):
     """poisoned_out, with a pending comb whose ready words already say READY (a stale word:
     the producer must clear it before any consumer can look)."""
     out = poisoned_out(c, m, "cuda", head=head)
@@ -72,7 +74,7 @@ def _poisoned(c, m, kind, head=False):
         return out
     from glm5_kernels.mhc.cute_mhc import READY
 
-    ready = torch.full((MhcBoundary.cute_groups(m),), READY, dtype=torch.int32, device="cuda")
+    ready = torch.full((op.cute_groups(m),), READY, dtype=torch.int32, device="cuda")
     return out[0], out[1], PendingComb(out[2], ready), out[3]
 
 
@@ -87,7 +89,7 @@ def test_boundaries_match_reference(setup, m):
     cpu = [t.cpu() for t in (x, streams, post, comb, fn, scale, base, norm)]
     xc, sc, pc, cc, fc, scc, bc, nc = cpu
 
-    got = op.expand_pre(x, fn, scale, base, norm, out=_poisoned(c, m, kind))
+    got = op.expand_pre(x, fn, scale, base, norm, out=_poisoned(op, c, m, kind))
     assert isinstance(got[2], PendingComb) == (kind == "cute_deferred")
     got = [t.cpu() for t in (got[0], got[1], op.resolve_comb(got[2]), got[3])]
     expanded = hc_expand_ref(xc, c.hc)
@@ -96,7 +98,7 @@ def test_boundaries_match_reference(setup, m):
     assert_mix(got[1], got[2], r_post, r_comb)
     assert_normed(got[3], rms_norm_ref(collapsed, nc, c.norm_eps))
 
-    got = op.post_pre(x, streams, post, comb, fn, scale, base, norm, out=_poisoned(c, m, kind))
+    got = op.post_pre(x, streams, post, comb, fn, scale, base, norm, out=_poisoned(op, c, m, kind))
     got = [t.cpu() for t in (got[0], got[1], op.resolve_comb(got[2]), got[3])]
     want = hc_fused_post_pre_ref(*cpu, **eps, norm_eps=c.norm_eps)
     assert_streams(got[0], want[0])
@@ -180,3 +182,25 @@ def test_deferred_chain_is_the_cute_chain(m):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, want[-1])
+
+
+def test_cute_plan_keeps_every_cluster_resident():
+    """The CuTe plan asks the driver how many of its clusters this GPU runs at once and
+    never launches more (one past them runs as a second wave: the H100's 16th of 16), with
+    the fewest tokens a cluster that allows; the answer matches a second query of another
+    build (every build is bounded to the same registers)."""
+    from glm5_kernels.mhc import cute_mhc
+
+    op = _boundary(config(4096), "cute")
+    n = op.resident_clusters()
+    assert 1 <= n <= MAX_CLUSTERS
+    for m in range(1, 65):
+        tb, groups = op.cute_tb(m), op.cute_groups(m)
+        assert groups <= n and groups * tb >= m and (tb == 1 or -(-m // (tb - 1)) > n), m
+    c = config(4096)
+    four = cute_mhc.compile_boundary(
+        cute_mhc.slot_dtypes(("float32", "float32", "float32", "bfloat16")), mode=POST,
+        head=False, store=True, tb=4, hidden=c.hidden, rms_eps=c.rms_eps, hc_eps=c.hc_eps,
+        norm_eps=c.norm_eps, post_mult=c.post_mult, sinkhorn_iters=c.sinkhorn_iters, pdl=True,
+    )  # fmt: skip
+    assert min(cute_mhc.resident_clusters(four, c.hidden // cute_mhc.CLUSTER), MAX_CLUSTERS) == n

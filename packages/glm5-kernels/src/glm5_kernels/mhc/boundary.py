@@ -43,6 +43,19 @@ __all__ = ["MhcBoundary", "MhcConfig", "PendingComb"]
 logger = logging.getLogger(__name__)
 
 GIVEN, EXPAND, POST = 0, 1, 2  # the kernel's MODE: where its streams come from
+# The most CuTe clusters a boundary launches (a GPU that runs more at once still gets 16:
+# one token a cluster is the plan's floor up to 16 tokens).
+MAX_CLUSTERS = 16
+
+
+def tokens_a_cluster(m: int, clusters: int) -> int:
+    """The CuTe kernel's tokens a cluster at m tokens, where `clusters` clusters run at
+    once: the fewest that keep every cluster resident. A cluster's time grows with its
+    tokens (the mix GEMV's FMAs a CTA), and one cluster past what fits runs as a second
+    wave: the H100 sweep at 16 / 32 / 64 tokens (14 resident): 1 token a cluster (16
+    clusters) 8.7 µs, 2 (8) 6.4, 3 (6) 7.0; 2 (16) 11.1, 3 (11) 8.6, 4 (8) 10.3; 4 (16) 17.2,
+    6 (11) 15.1, 8 (8) 21.2 (benchmarks/boundary.py --sweep, kernels README)."""
+    return -(-m // min(clusters, MAX_CLUSTERS))
 
 
 def _want(problems: list[str], name: str, t, shape: tuple, dtypes: tuple, device=None) -> None:
@@ -141,6 +154,7 @@ class MhcBoundary:
         # Token counts whose boundaries leave comb pending (CuTe only: `_no_cute` clears both)
         self.defer_tokens = frozenset(defer_tokens) & self.cute_tokens
         self._cute: dict[tuple, object] = {}  # compiled CuTe kernels by static configuration
+        self._clusters: int | None = None  # CuTe clusters resident at once (resident_clusters)
         if self.cute_tokens and (reason := self._cute_unavailable()):
             self._no_cute(f"the CuTe DSL boundary {reason}")
 
@@ -182,18 +196,45 @@ class MhcBoundary:
             return f"needs nvidia-cutlass-dsl (glm5-kernels[cute]): {e}"
         return cute_mhc.unfit(self.config.hidden)
 
-    @staticmethod
-    def cute_tb(m: int) -> int:
-        """Tokens a cluster: as few as keep the clusters to 16 (the mix GEMV's FMAs a CTA
-        grow with its tokens; H200 sweep, benchmarks/boundary.py --sweep: one token a
-        cluster fastest up to 16). Every build is bounded to 128 registers a thread (two
-        CTAs an SM, cute_mhc.SMEM_CARVEOUT's comment), so 16 clusters of 16 fit at once."""
-        return next(tb for tb in (1, 2, 4, 8) if -(-m // tb) <= 16)
+    def cute_tb(self, m: int) -> int:
+        """Tokens a cluster of the CuTe kernel at m tokens (`tokens_a_cluster`)."""
+        return tokens_a_cluster(m, self.resident_clusters())
 
-    @classmethod
-    def cute_groups(cls, m: int) -> int:
+    def cute_groups(self, m: int) -> int:
         """The CuTe kernel's clusters at m tokens: a `PendingComb`'s ready words."""
-        return -(-m // cls.cute_tb(m))
+        return -(-m // self.cute_tb(m))
+
+    def resident_clusters(self) -> int:
+        """How many of the CuTe kernel's clusters this GPU runs at once (the driver's
+        occupancy query on the one-token build, asked once: every build is bounded to the
+        same registers), at most MAX_CLUSTERS; MAX_CLUSTERS where no CuTe kernel runs or the
+        driver does not say (one warning)."""
+        if self._clusters is not None:
+            return self._clusters
+        if not self.cute_tokens:
+            return MAX_CLUSTERS  # not kept: the count is the GPU's, asked where it matters
+        if capturing():
+            raise RuntimeError("MhcBoundary: call prepare() before CUDA-graph capture (the "
+                               "CuTe plan asks the driver how many clusters fit)")  # fmt: skip
+        from glm5_kernels.mhc import cute_mhc
+
+        c = self.config
+        try:
+            one = cute_mhc.compile_boundary(
+                cute_mhc.slot_dtypes(("float32", "float32", "float32", "bfloat16")),
+                mode=POST, head=False, store=True, tb=1, hidden=c.hidden, rms_eps=c.rms_eps,
+                hc_eps=c.hc_eps, norm_eps=c.norm_eps, post_mult=c.post_mult,
+                sinkhorn_iters=c.sinkhorn_iters, pdl=self._pdl,
+            )  # fmt: skip
+        except Exception:  # a build failure is _run_cute's to report (its one warning)
+            self._clusters = MAX_CLUSTERS
+            return self._clusters
+        n = cute_mhc.resident_clusters(one, c.hidden // cute_mhc.CLUSTER)
+        if n is None:
+            logger.warning("MhcBoundary: the driver did not say how many CuTe clusters fit at "
+                           "once; planning for %d", MAX_CLUSTERS)  # fmt: skip
+        self._clusters = min(n or MAX_CLUSTERS, MAX_CLUSTERS)
+        return self._clusters
 
     def supports(self, m: int) -> bool:
         return 1 <= m <= self.max_tokens

@@ -11,6 +11,8 @@ which is the whole cost at decode sizes (the bytes allow ~0.4 µs):
   W = D / C, one column a thread (all four streams). Clusters are independent: a step of
   T tokens launches ceil(T / TB) of them, so every SM that holds a slice of fn works on few
   tokens (the mix GEMV is 24 x 16384 FMAs a token; 16 SMs alone would take ~0.2 µs a token).
+  TB is the fewest tokens that keep every cluster resident at once (`resident_clusters`:
+  the driver's count, 14 on an H100 SXM; a cluster past it runs as a second wave).
 - Before the PDL wait (nothing there depends on the previous kernel) each thread loads its
   column of fn (24 x 4 FP32: 96 KB a CTA, in registers) and of the norm weight, and each
   CTA arms its mbarrier for the peers' bytes; the cluster's arrive is issued there too, its
@@ -77,8 +79,8 @@ NPART = NMIX + len(GRAM)  # the partial sums of one token: 34
 MIX = H + H * H  # a token's post and comb, as a boundary reads them
 CLUSTER = 16  # CTAs a cluster (H100 / H200 allow 16 with the non-portable attribute)
 # Two CTAs an SM (`min_blocks_per_mp`: ptxas keeps a 256-thread CTA within 128 registers;
-# the 2- and 4-token builds took 143 / 188 unbounded, so 16 clusters of 16 ran as two waves
-# at 17-64 tokens; bounded, 128 with no spill / an 8-byte stack), and the shared memory
+# the 2- and 4-token builds took 143 / 188 unbounded; bounded, 128, with 8-88 bytes of
+# stack from three tokens a cluster), and the shared memory
 # they need (a percentage of the SM's; given, not queried: the kernels compile without a GPU).
 SMEM_CARVEOUT = 25
 # Where a `phases` build stamps the time (thread 0 of each CTA): entry, the PDL wait's
@@ -671,6 +673,37 @@ def compile_boundary(dtypes: tuple[str, ...], **static):
         fake = [_pointer(dt, 0) for dt in dtypes]
         _COMPILED[key] = cute.compile(kernel, *fake, Int32(1), cute.runtime.make_fake_stream())
     return _COMPILED[key]
+
+
+def resident_clusters(compiled, threads: int) -> int | None:
+    """How many clusters of `compiled` (a `compile_boundary` kernel, `threads` a CTA) the
+    current GPU runs at once, by the driver's occupancy query; None where it does not say.
+    Not the SMs x 2 CTAs an SM / CLUSTER one would guess: a cluster's CTAs share one GPC, and
+    the GPCs of one GPU hold different SM counts (an H100 SXM: 132 SMs, 14 clusters of 16 at
+    two CTAs an SM, where 16 seemed to fit; the 16th cluster ran as a second wave)."""
+    import cuda.bindings.driver as cu
+    import cuda.bindings.runtime as rt
+
+    err, count = rt.cudaLibraryGetKernelCount(compiled.library)
+    if err != rt.cudaError_t.cudaSuccess or count != 1:
+        return None
+    err, (kernel,) = rt.cudaLibraryEnumerateKernels(1, compiled.library)
+    if err != rt.cudaError_t.cudaSuccess:
+        return None
+    err, function = cu.cuKernelGetFunction(cu.CUkernel(int(kernel)))
+    if err != cu.CUresult.CUDA_SUCCESS:
+        return None
+    config = cu.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = CLUSTER, 1, 1
+    config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
+    cluster = cu.CUlaunchAttribute()
+    cluster.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    dims = cu.CUlaunchAttributeValue()
+    dims.clusterDim.x, dims.clusterDim.y, dims.clusterDim.z = CLUSTER, 1, 1
+    cluster.value = dims
+    config.attrs, config.numAttrs = [cluster], 1
+    err, n = cu.cuOccupancyMaxActiveClusters(function, config)
+    return n if err == cu.CUresult.CUDA_SUCCESS and n > 0 else None
 
 
 def launch(compiled, tensors, tokens: int, stream: int) -> None:
