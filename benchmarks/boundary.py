@@ -286,7 +286,24 @@ def table(path: str) -> str:
             f"{r['launches']} | {r['stock_us']:.1f} | {r['stock_launches']} | "
             f"{r['speedup_vs_stock']:.0f}× |"
         )
+    if result.get("sweep"):
+        out += ["", *sweep_table(result)]
     return "\n".join(out)
+
+
+def sweep_table(result: dict) -> list[str]:
+    """The CuTe sweep as tokens x tokens a cluster, µs; the plan's variant in bold."""
+    cute = [r for r in result["sweep"] if r["path"] == "cute"]
+    tbs = sorted({r["tb"] for r in cute})
+    planned = {r["tokens"]: r["plan"]["tb"] for r in result["rows"] if r["path"] == "cute"}
+    out = ["| tokens | " + " | ".join(f"{tb} a cluster" for tb in tbs) + " |",
+           "| --- |" + " --- |" * len(tbs)]  # fmt: skip
+    for m in sorted({r["tokens"] for r in cute}):
+        us = {r["tb"]: r["us"] for r in cute if r["tokens"] == m}
+        cells = [("" if tb not in us else f"**{us[tb]:.2f}**" if tb == planned.get(m)
+                  else f"{us[tb]:.2f}") for tb in tbs]  # fmt: skip
+        out.append(f"| {m} | " + " | ".join(cells) + " |")
+    return out
 
 
 if __name__ == "__main__":

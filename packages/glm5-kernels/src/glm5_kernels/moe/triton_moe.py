@@ -330,11 +330,13 @@ def gate_up_kernel(
     pid_n, group, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if PDL:
         gdc_wait()
+    # The group's expert, first row and row count in one round trip (all three were just
+    # written by the routing launch; an unused group's row and count are read and ignored).
     e, w_off = _expert_base(group_expert_ptr, group, E, 2 * I * D, w_shared)
+    row0 = tl.load(group_row_ptr + group)
+    count = tl.load(group_count_ptr + group)
     if e >= 0:
-        _, s_off = _expert_base(group_expert_ptr, group, E, (2 * I // 128) * (D // 128), ws_shared)
-        row0 = tl.load(group_row_ptr + group)
-        count = tl.load(group_count_ptr + group)
+        s_off = _expert_offset(e, E, (2 * I // 128) * (D // 128), ws_shared)
         offs_m = tl.arange(0, BM)
         in_rows = offs_m < count
         tok = tl.load(row_token_ptr + row0 + offs_m, mask=in_rows, other=0)
