@@ -296,7 +296,8 @@ def test_router_inside_the_routing_launch(d, m, apart):
     for the next launch (a graph replay). At d 1024 K splits in two (the partials' path);
     at d 256, m 6 some programs only quantize their token (the tiles' programs quantizing
     the first tokens, or programs after theirs every token: `apart`, the plan's default).
-    Exact ties: a zero gate."""
+    Exact ties: a zero gate (at d 256: ties are the pick's, not the split's; the interpreter
+    takes a minute a d-1024 gate)."""
     from glm5_kernels.gemm import Router
     from glm5_kernels.moe import MoeLayer
 
@@ -304,11 +305,10 @@ def test_router_inside_the_routing_launch(d, m, apart):
     w = moe_weights(E, d, I, "cpu", gen)
     x = padded(torch.randn(m, d, generator=gen).bfloat16())
     bias = torch.randn(E, generator=gen) * 0.1
-    gates = {
-        "random": ((torch.randn(E, d, generator=gen) / d**0.5).bfloat16(), bias),
-        "ties": (torch.zeros(E, d, dtype=torch.bfloat16),
-                 routings(m, E, "cpu", gen, bias)["ties"][1]),
-    }  # fmt: skip
+    gates = {"random": ((torch.randn(E, d, generator=gen) / d**0.5).bfloat16(), bias)}
+    if d == 256:
+        gates["ties"] = (torch.zeros(E, d, dtype=torch.bfloat16),
+                         routings(m, E, "cpu", gen, bias)["ties"][1])  # fmt: skip
     for name, (gate_w, b) in gates.items():
         router = Router(gate_w)
         assert router.tiles[m].split_k == (2 if d == 1024 else 1), router.tiles[m]
