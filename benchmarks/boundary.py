@@ -40,7 +40,7 @@ import torch
 from provenance import floor_bandwidth, provenance, result_args, write_result
 
 from glm5_kernels.mhc import MhcBoundary, MhcConfig, PendingComb, hc_fused_post_pre_ref
-from glm5_kernels.mhc.boundary import POST
+from glm5_kernels.mhc.boundary import MAX_CLUSTERS, POST
 from glm5_kernels.mhc.cute_mhc import READY
 from glm5_kernels.mhc.reference import sinkhorn_ref
 from glm5_kernels.timing import graph_calls_us
@@ -179,7 +179,7 @@ def _sweep(path: str, op: MhcBoundary, m: int, ours) -> list[dict]:
         return out
     if path == "cute":
         for tb in (1, 2, 3, 4, 5, 6, 8):
-            if -(-m // tb) > 16 or tb > m:  # the plan's cap; a cluster with no token
+            if -(-m // tb) > MAX_CLUSTERS or tb > m:  # the plan's cap; a cluster with no token
                 continue
             op.cute_tb = lambda _m, tb=tb: tb
             ours[0]()  # compiled outside the capture

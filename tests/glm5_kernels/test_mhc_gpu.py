@@ -197,10 +197,5 @@ def test_cute_plan_keeps_every_cluster_resident():
     for m in range(1, 65):
         tb, groups = op.cute_tb(m), op.cute_groups(m)
         assert groups <= n and groups * tb >= m and (tb == 1 or -(-m // (tb - 1)) > n), m
-    c = config(4096)
-    four = cute_mhc.compile_boundary(
-        cute_mhc.slot_dtypes(("float32", "float32", "float32", "bfloat16")), mode=POST,
-        head=False, store=True, tb=4, hidden=c.hidden, rms_eps=c.rms_eps, hc_eps=c.hc_eps,
-        norm_eps=c.norm_eps, post_mult=c.post_mult, sinkhorn_iters=c.sinkhorn_iters, pdl=True,
-    )  # fmt: skip
-    assert min(cute_mhc.resident_clusters(four, c.hidden // cute_mhc.CLUSTER), MAX_CLUSTERS) == n
+    four = op._compile_cute(POST, False, True, 4, ("float32",) * 3 + ("bfloat16",))
+    assert min(cute_mhc.resident_clusters(four, 4096 // cute_mhc.CLUSTER), MAX_CLUSTERS) == n

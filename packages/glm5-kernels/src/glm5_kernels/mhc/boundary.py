@@ -218,18 +218,12 @@ class MhcBoundary:
                                "CuTe plan asks the driver how many clusters fit)")  # fmt: skip
         from glm5_kernels.mhc import cute_mhc
 
-        c = self.config
         try:
-            one = cute_mhc.compile_boundary(
-                cute_mhc.slot_dtypes(("float32", "float32", "float32", "bfloat16")),
-                mode=POST, head=False, store=True, tb=1, hidden=c.hidden, rms_eps=c.rms_eps,
-                hc_eps=c.hc_eps, norm_eps=c.norm_eps, post_mult=c.post_mult,
-                sinkhorn_iters=c.sinkhorn_iters, pdl=self._pdl,
-            )  # fmt: skip
+            one = self._compile_cute(POST, False, True, 1, ("float32",) * 3 + ("bfloat16",))
         except Exception:  # a build failure is _run_cute's to report (its one warning)
             self._clusters = MAX_CLUSTERS
             return self._clusters
-        n = cute_mhc.resident_clusters(one, c.hidden // cute_mhc.CLUSTER)
+        n = cute_mhc.resident_clusters(one, self.config.hidden // cute_mhc.CLUSTER)
         if n is None:
             logger.warning("MhcBoundary: the driver did not say how many CuTe clusters fit at "
                            "once; planning for %d", MAX_CLUSTERS)  # fmt: skip
@@ -367,13 +361,26 @@ class MhcBoundary:
             self._kernel[grid](*args, PHASE=phase, **meta)
         return (streams if mode == GIVEN else new), post_out, comb_out, normed
 
+    def _compile_cute(self, mode, head, store, tb, weights, pend_in=False, pend_out=False):
+        """The CuTe kernel of one static configuration for this boundary's model constants
+        (`weights`: the fn, scale, base and norm dtypes' names); the DSL caches each build."""
+        from glm5_kernels.mhc import cute_mhc
+
+        c = self.config
+        return cute_mhc.compile_boundary(
+            cute_mhc.slot_dtypes(weights), mode=mode, head=head, store=store, tb=tb,
+            hidden=c.hidden, rms_eps=c.rms_eps, hc_eps=c.hc_eps, norm_eps=c.norm_eps,
+            post_mult=c.post_mult, sinkhorn_iters=c.sinkhorn_iters, pdl=self._pdl,
+            pend_in=pend_in, pend_out=pend_out,
+        )  # fmt: skip
+
     def _run_cute(self, mode, head, store, m, tensors) -> bool:
         """The boundary by the CuTe DSL kernel (compiled on first use; never inside a
         capture), or False where it does not build (one warning: the Triton kernel from
         then on)."""
         from glm5_kernels.mhc import cute_mhc
 
-        c, tb = self.config, self.cute_tb(m)
+        tb = self.cute_tb(m)
         # fn, scale, base, norm: the site's dtypes (HEAD has no mix weights: FP32 slots)
         weights = tuple(str(t.dtype).removeprefix("torch.") if t is not None else "float32"
                         for t in tensors[4:8])  # fmt: skip
@@ -385,12 +392,7 @@ class MhcBoundary:
                                    "prepare() before CUDA-graph capture (a capture must never "
                                    "compile)")  # fmt: skip
             try:
-                self._cute[key] = cute_mhc.compile_boundary(
-                    cute_mhc.slot_dtypes(weights), mode=mode, head=head, store=store, tb=tb,
-                    hidden=c.hidden, rms_eps=c.rms_eps, hc_eps=c.hc_eps, norm_eps=c.norm_eps,
-                    post_mult=c.post_mult, sinkhorn_iters=c.sinkhorn_iters, pdl=self._pdl,
-                    pend_in=pend_in, pend_out=pend_out,
-                )  # fmt: skip
+                self._cute[key] = self._compile_cute(*key)
             except Exception as e:  # a DSL or toolchain failure: the Triton kernel serves
                 self._no_cute(f"the CuTe DSL boundary did not build ({type(e).__name__}: {e})")
                 return False
