@@ -315,7 +315,9 @@ class CuteBoundary:
         sGain = smem.allocate_tensor(Float32, cute.make_layout(3 + NMIX), 16)
         # Rank 0's Sinkhorn warp's streams and norm weight, for warp 0 to normalize.
         sHand = smem.allocate_tensor(Float32, _rows((TB, H + 1, 32)), 16)
-        # A deferred comb's post and balanced comb, by token slot (pend_in).
+        # Post and comb by token slot, rounded to BF16 as the post reads them (once a CTA,
+        # where every thread rounded all 20 of every token: conversions issue at a sixteenth
+        # of the FMA rate on Hopper); where comb comes deferred, balanced here (pend_in).
         sMix = smem.allocate_tensor(Float32, _rows((TB, MIX)), 16)
         mbar = smem.allocate_array(cutlass.Int64, 1)
 
@@ -371,9 +373,9 @@ class CuteBoundary:
                 i, k = tid // MIX, tid % MIX
                 if t0 + i < tokens:
                     if k < H:
-                        sMix[i, k] = mPost[t0 + i, k]
+                        sMix[i, k] = _bf16(mPost[t0 + i, k])
                     else:
-                        sMix[i, k] = mComb[t0 + i, k - H]
+                        sMix[i, k] = _bf16(mComb[t0 + i, k - H])
         if const_expr(self.mode == POST):  # sMix, from the Sinkhorn warp or the loads above
             cute.arch.barrier()
         self._stamp(*at, 1)
@@ -463,20 +465,25 @@ class CuteBoundary:
                 if t < tokens:
                     self._post(sTot, lane, t, sGain, mPostOut)
         self._stamp(*at, 5, who=cutlass.select_(rank == 0, Int32(self.sink * 32), Int32(0)))
-        for i in cutlass.range_constexpr(TB):
-            t = t0 + i
-            if t < tokens:
-                pre, rstd = self._pre_rstd(sTot, i, sGain)
-                if const_expr(self.handing):
-                    if (rank != 0) | (warp != self.sink):  # not the Sinkhorn warp
-                        self._normed(pre, rstd, [rS[i, h] for h in range(H)], w, t, col,
-                                     mNormed)  # fmt: skip
-                    if (rank == 0) & (warp == 0):
-                        handed = [sHand[i, h, lane] for h in range(H)]
-                        self._normed(pre, rstd, handed, sHand[i, H, lane], t,
-                                     col + self.sink * 32, mNormed)  # fmt: skip
-                else:
+        # Every warp but a handing Sinkhorn warp: lane i computes token slot i's pre and
+        # 1/rms once (four sigmoids and two rsqrt: MUFU ops, a sixteenth of the FMA rate,
+        # that every thread computed for every token), the warp takes them by shuffles.
+        sinks = Int32(0)
+        if const_expr(self.handing):
+            sinks = Int32((rank == 0) & (warp == self.sink))
+        if sinks == 0:
+            pres, rstds = self._pre_rstd(sTot, cutlass.min(lane, Int32(TB - 1)), sGain)
+            for i in cutlass.range_constexpr(TB):
+                t = t0 + i
+                if t < tokens:
+                    pre = [cute.arch.shuffle_sync(p, i) for p in pres]
+                    rstd = cute.arch.shuffle_sync(rstds, i)
                     self._normed(pre, rstd, [rS[i, h] for h in range(H)], w, t, col, mNormed)
+                    if const_expr(self.handing):  # noqa: SIM102 (compile-time, then run-time)
+                        if (rank == 0) & (warp == 0):  # the Sinkhorn warp's columns
+                            handed = [sHand[i, h, lane] for h in range(H)]
+                            self._normed(pre, rstd, handed, sHand[i, H, lane], t,
+                                         col + self.sink * 32, mNormed)  # fmt: skip
         if const_expr(self.phases):  # "end": the CTA's last thread done
             cute.arch.barrier()
         self._stamp(*at, 6)
@@ -497,8 +504,8 @@ class CuteBoundary:
 
     def _streams(self, rS, rIn, i, sMix):
         """rS[i, :] = the streams of token slot i at this column from its inputs rIn[i]
-        (FP32 holding BF16 values); post and comb from sMix (read there after the PDL wait,
-        or balanced there before it where comb was deferred)."""
+        (FP32 holding BF16 values); post and comb from sMix, rounded to BF16 there (read
+        after the PDL wait, or balanced before it where comb was deferred)."""
         if const_expr(self.mode == GIVEN):
             for h in range(H):
                 rS[i, h] = rIn[i, 1 + h]
@@ -517,10 +524,10 @@ class CuteBoundary:
             post = [sMix[i, h] for h in range(H)]
             comb = [sMix[i, H + k] for k in range(H * H)]
             for h in range(H):
-                placed = _bf16(_bf16(post[h]) * x)
-                mixed = _bf16(comb[h]) * r[0]
+                placed = _bf16(post[h] * x)
+                mixed = comb[h] * r[0]
                 for j in range(1, H):
-                    mixed = cute.math.fma(_bf16(comb[j * H + h]), r[j], mixed)
+                    mixed = cute.math.fma(comb[j * H + h], r[j], mixed)
                 rS[i, h] = _bf16(placed + _bf16(mixed))
 
     def _gram(self, tot, i):
@@ -610,7 +617,8 @@ class CuteBoundary:
                  sMix: cute.Tensor, group: Int32, t0: Int32, lane: Int32,
                  tokens: Int32):  # fmt: skip
         """A deferred comb's producer's post and logits, once its ready word says so, into
-        sMix [TB, H + H * H] (post, then comb balanced here): lane i of the Sinkhorn warp
+        sMix [TB, H + H * H] (post, then comb balanced here; both rounded to BF16 as the
+        post reads them): lane i of the Sinkhorn warp
         for token slot i. Before the PDL wait: none of it depends on the previous kernel."""
         if lane < self.tb:
             t = t0 + lane
@@ -625,11 +633,11 @@ class CuteBoundary:
                     _nanosleep(64)
                     ready = cute.arch.load(word, Int32, sem="acquire", scope="gpu")
                 for h in cutlass.range_constexpr(H):
-                    sMix[lane, h] = mPost[t, h]
+                    sMix[lane, h] = _bf16(mPost[t, h])
                 rC = self._balance([mComb[t, k] for k in range(H * H)])
                 for a in cutlass.range_constexpr(H):
                     for b in cutlass.range_constexpr(H):
-                        sMix[lane, H + a * H + b] = rC[a, b]
+                        sMix[lane, H + a * H + b] = _bf16(rC[a, b])
 
 
 # Host side: one compiled kernel per static configuration, launched on raw pointers (no
