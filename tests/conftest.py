@@ -3,6 +3,7 @@ the quick GPU selection (`nox -s gpu_tests -- quick`) marked by node."""
 
 from pathlib import Path
 
+import interpreter_calls
 import pytest
 
 # The quick GPU selection, for every change that touches a kernel (the full suite is for a
@@ -69,6 +70,7 @@ def pytest_configure(config):
     op waits for a descheduled worker (measured: up to 40 ms per index_add_ instead of 5 us;
     one consistency test 30 s instead of 1.5)."""
     config.addinivalue_line("markers", "quick: the quick GPU selection (tests/conftest.py QUICK)")
+    interpreter_calls.install()
     try:
         import torch
     except ImportError:

@@ -15,6 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from interpreter_calls import install as interpreter_calls
 
 
 def spawn_gloo(check, world: int, *args) -> None:
@@ -26,6 +27,7 @@ def spawn_gloo(check, world: int, *args) -> None:
 def _worker(rank: int, world: int, port: int, check, args) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
+    interpreter_calls()  # as the parent's conftest does
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         check(rank, *args)

@@ -1,29 +1,51 @@
 """The CuTe DSL kernels compile for SM90 (Hopper) and SM100 (Blackwell) on this CPU
 (`CUTE_DSL_ARCH`: the DSL compiles without a GPU, it cannot run), in a child process per
-architecture (cute_compile_cases.py). The kept PTX of the mHC boundary shows what the design
-relies on: the weights' loads issued before the PDL wait, the cluster's partial sums stored
-into the peers' shared memory by st.async completing on an mbarrier, no global atomics and
-no local memory; with comb deferred, the ready word polled with acquire loads before the
-wait, cleared between the wait and the release of the dependents, set with a release store
-after them."""
+architecture (cute_compile_cases.py; compile_children.py starts them in the background at
+the end of collection, beside the Triton compile checks). The kept PTX of the mHC boundary
+shows what the design relies on: the weights' loads issued before the PDL wait, the
+cluster's partial sums stored into the peers' shared memory by st.async completing on an
+mbarrier, no global atomics and no local memory; with comb deferred, the ready word polled
+with acquire loads before the wait, cleared between the wait and the release of the
+dependents, set with a release store after them."""
 
 import os
 import re
-import subprocess
+import shutil
 import sys
+import tempfile
+from concurrent.futures import Future
 from pathlib import Path
 
+import compile_children
 import pytest
 
 pytest.importorskip("cutlass", reason="the CuTe DSL (glm5-kernels[cute]) is not installed")
 
+_KEPT: dict[str, str] = {}  # by architecture: the child's working directory (its PTX)
+
+
+def start(arch: str) -> Future:
+    """The compile child of `arch` (compile_children: in the background from the end of
+    collection), started now unless it already was."""
+    env = {**os.environ, "CUTE_DSL_ARCH": arch, "CUTE_DSL_KEEP_PTX": "1"}
+    if arch not in _KEPT:
+        _KEPT[arch] = tempfile.mkdtemp(prefix=f"cute-{arch}-")
+    script = Path(__file__).with_name("cute_compile_cases.py")
+    return compile_children.start(("cute", arch), [sys.executable, str(script), arch], env,
+                                  cwd=_KEPT[arch])  # fmt: skip
+
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_cute_kernels_compile(arch, tmp_path):
-    env = {**os.environ, "CUTE_DSL_ARCH": arch, "CUTE_DSL_KEEP_PTX": "1"}
-    script = Path(__file__).with_name("cute_compile_cases.py")
-    child = subprocess.run([sys.executable, str(script), arch], env=env, cwd=tmp_path,
-                           capture_output=True, text=True)  # fmt: skip
+def test_kernels_compile(arch):
+    child = compile_children.result(start(arch))
+    tmp_path = Path(_KEPT[arch])
+    try:
+        _check(arch, child, tmp_path)
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _check(arch, child, tmp_path):
     assert child.returncode == 0, child.stderr[-4000:]
     compiled = re.search(rf"{arch}: compiled (\d+) CuTe mHC kernels", child.stdout)
     # 4 modes + the post's tb, deferred: 3 modes + the post's tb

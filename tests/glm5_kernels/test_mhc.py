@@ -61,8 +61,9 @@ def _op(c, plan=None):
         (9, "bf16", None),
         (17, "fp32", None),
         (5, "fp32", _Plan(bd=32, splits=7, sr=2, fused=False)),
+        (17, "fp32", _Plan(bd=64, splits=4, sr=4, fused=False)),
     ],
-    ids=["1", "3", "9-bf16-fn", "17", "5-plan"],
+    ids=["1", "3", "9-bf16-fn", "17", "5-plan", "17-plan"],
 )
 def test_boundaries_match_reference(m, dtypes, plan):
     c = config(200)  # 200 columns: not a multiple of any column tile

@@ -297,7 +297,8 @@ def test_router_inside_the_routing_launch(d, m, apart):
     at d 256, m 6 some programs only quantize their token (the tiles' programs quantizing
     the first tokens, or programs after theirs every token: `apart`, the plan's default).
     Exact ties: a zero gate (at d 256: ties are the pick's, not the split's; the interpreter
-    takes a minute a d-1024 gate)."""
+    takes a minute a d-1024 gate). The launch again and the MoE layer's call at d 256 only
+    (each a whole MoE under the interpreter: ~10 s at d 1024)."""
     from glm5_kernels.gemm import Router
     from glm5_kernels.moe import MoeLayer
 
@@ -326,6 +327,8 @@ def test_router_inside_the_routing_launch(d, m, apart):
         assert_output_close(out, ref, rows.weights)
         assert torch.equal(out, op.finalized(x, logits.clone())), name
         assert op._arrivals.item() == 0
+        if d == 1024:  # the launch again and the layer's call: at d 256 (not d's business)
+            continue
         assert torch.equal(op.finalized(x, gate=router), out), name  # launched again
         layer = MoeLayer(router, {m: op}, gated=[m])
         layer.prepare([m])

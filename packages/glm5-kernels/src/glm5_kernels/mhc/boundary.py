@@ -167,9 +167,13 @@ class MhcBoundary:
         benchmarks/boundary.py --sweep (4 warps; 8 were slower everywhere): 32 up to 4 tokens
         (128 CTAs; 64 columns: 5-30 % slower), 64 up to 8, 128 above (the last CTA's sum over
         the splits grows with the tokens); more where the grid would not fit the SMs (the
-        wait needs every CTA of a block resident)."""
+        wait needs every CTA of a block resident). Under the interpreter, whose programs run
+        one after another at a fixed cost an op, the fewest splits: up to 512 columns a CTA
+        (the whole-step CPU tests' boundaries 2.3x faster; test_mhc sets split plans)."""
         d, blocks = self.config.hidden, -(-m // 16)
         bd = 32 if m <= 4 else 64 if m <= 8 else 128
+        if self._interp:
+            bd = max(bd, min(512, next_pow2(d)))
         while bd < 512 and blocks * -(-d // bd) > self._sms:
             bd *= 2
         return self._tiles(m, bd, 4)
