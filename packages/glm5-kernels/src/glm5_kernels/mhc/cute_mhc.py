@@ -48,7 +48,11 @@ which is the whole cost at decode sizes (the bytes allow ~0.4 µs):
 
 Measured (H200, benchmarks/boundary.py, 69a657e): 4.96 / 5.35 / 9.74 / 20.7 µs at 1 / 8 /
 16 / 64 tokens, the Triton kernel 13.4 / 26.7 / 42.4 / 43.9; rank 0's Sinkhorn warp 1.8 µs
-of the 4.35 µs period at one token (--phases).
+of the 4.35 µs period at one token (--phases). Since (H100, b4462f1: the resident plan, post
+and comb staged in shared memory, conversions and MUFU once): 3.75 / 4.51 / 5.93 / 12.69 µs
+at 1 / 8 / 16 / 64 tokens, where each token a cluster is ~410 instructions a thread
+(streams, the mix GEMV's 96 FMAs, the partials' reduce-scatter) and two CTAs an SM issue
+them at ~0.85 µs a token (the packages' README has the breakdown).
 
 World size 1 only: the TP exchange (glm5_kernels.exchange) stays with the Triton kernel.
 
@@ -618,8 +622,8 @@ class CuteBoundary:
                  tokens: Int32):  # fmt: skip
         """A deferred comb's producer's post and logits, once its ready word says so, into
         sMix [TB, H + H * H] (post, then comb balanced here; both rounded to BF16 as the
-        post reads them): lane i of the Sinkhorn warp
-        for token slot i. Before the PDL wait: none of it depends on the previous kernel."""
+        post reads them): lane i of the Sinkhorn warp for token slot i. Before the PDL wait:
+        none of it depends on the previous kernel."""
         if lane < self.tb:
             t = t0 + lane
             if t < tokens:
