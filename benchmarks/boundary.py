@@ -11,17 +11,18 @@ floor (x, the streams read and written, fn, the norm weight and the normed outpu
 Timing: CUDA-graph replays, median, every call on its own copy of the weights and inputs
 (more than L2 in all). Launches: kernel nodes of one boundary's captured graph. Each
 boundary is checked against the stock output before it is timed. `--sweep` times the plan's
-tile variants (Triton: tokens per CTA x columns per CTA; CuTe: tokens per cluster) at each
-token count. `--phases` replays the same chain of CuTe boundaries built with timestamps
-(`cute_mhc.PHASES`: thread 0 of every CTA reads the global timer and its SM's cycle counter
-at each point) and reports, as medians over the chain's boundaries, where one boundary's
-time goes: from the previous boundary's last CTA done to this one's PDL wait returning
-(`release`), then each phase of the kernel in its CTAs' cycles (rank 0, which runs Sinkhorn,
-apart from the others), and the chain's period; with `--paths cute_deferred`, the deferred
-build twice: each call's comb the previous call's (chained) and each call's its own, ready
-before the chain (as a step's). `--sinkhorn-iters N` builds every boundary
-(and the stock) with N Sinkhorn iterations instead of the model's 20: an experiment that
-prices one iteration on the critical path (timed with N = 1 and 20, say).
+tile variants (Triton: tokens per CTA x columns per CTA; CuTe: tokens per cluster, built
+for two CTAs an SM and for one) at each token count. `--phases` replays the same chain of
+CuTe boundaries built with timestamps (`cute_mhc.PHASES`: thread 0 of every CTA reads the
+global timer and its SM's cycle counter at each point) and reports, as medians over the
+chain's boundaries, where one boundary's time goes: from the previous boundary's last CTA
+done to this one's PDL wait returning (`release`), then each phase of the kernel in its
+CTAs' cycles (rank 0, which runs Sinkhorn, apart from the others), and the chain's period;
+with `--paths cute_deferred`, the deferred build twice: each call's comb the previous
+call's (chained) and each call's its own, ready before the chain (as a step's).
+`--sinkhorn-iters N` builds every boundary (and the stock) with N Sinkhorn iterations
+instead of the model's 20: an experiment that prices one iteration on the critical path
+(timed with N = 1 and 20, say).
 
     PYTHONPATH=packages/glm5-kernels/src:packages/glm5-runtime/src:packages/glm5-policy/src \\
         python benchmarks/boundary.py --out benchmarks/results/boundary_h200.json
@@ -153,7 +154,8 @@ def main() -> None:
             err = max(((g.float() - w.float()).abs().max() / w.float().abs().max()).item()
                       for g, w in zip(got, want, strict=True))  # fmt: skip
             us = graph_calls_us(ours)
-            plan = {"tb": op.cute_tb(m)} if path.startswith("cute") else vars(op.plans[m])
+            plan = ({"tb": op.cute_tb(m), "per_sm": op.cute_per_sm(m)} if path.startswith("cute")
+                    else vars(op.plans[m]))  # fmt: skip
             row = {"world": 1, "tokens": m, "path": path, "us": us, "stock_us": stock_us,
                    "nccl_us": None, "floor_us": floor, "floor_ratio": us / floor,
                    "speedup_vs_stock": stock_us / us, "launches": call_launches(ours[0]),
@@ -177,16 +179,16 @@ def _sweep(path: str, op: MhcBoundary, m: int, ours) -> list[dict]:
     out = []
     if path == "cute_deferred":  # its pending inputs are sized by the plan's clusters
         return out
-    if path == "cute":
-        for tb in (1, 2, 3, 4, 5, 6, 8):
+    if path == "cute":  # tokens a cluster, built for two CTAs an SM and for one
+        for per_sm, tb in itertools.product((2, 1), (1, 2, 3, 4, 5, 6, 8)):
             if -(-m // tb) > MAX_CLUSTERS or tb > m:  # the plan's cap; a cluster with no token
                 continue
-            op.cute_tb = lambda _m, tb=tb: tb
+            op.cute_tb, op.cute_per_sm = (lambda _m, tb=tb: tb), (lambda _m, n=per_sm: n)
             ours[0]()  # compiled outside the capture
             t = graph_calls_us(ours)
-            out.append({"tokens": m, "path": path, "tb": tb, "us": t})
-            print(f"   tb {tb}: {t:6.2f} µs")
-        del op.cute_tb
+            out.append({"tokens": m, "path": path, "tb": tb, "per_sm": per_sm, "us": t})
+            print(f"   tb {tb} ({per_sm} an SM): {t:6.2f} µs")
+        del op.cute_tb, op.cute_per_sm
         return out
     best = op.plans[m]
     for bd in (32, 64, 128, 256):
@@ -292,16 +294,19 @@ def table(path: str) -> str:
 
 
 def sweep_table(result: dict) -> list[str]:
-    """The CuTe sweep as tokens x tokens a cluster, µs; the plan's variant in bold."""
+    """The CuTe sweep as tokens x (tokens a cluster, CTAs an SM), µs; the plan's variant in
+    bold. (Results from before the one-an-SM build hold two an SM.)"""
     cute = [r for r in result["sweep"] if r["path"] == "cute"]
-    tbs = sorted({r["tb"] for r in cute})
-    planned = {r["tokens"]: r["plan"]["tb"] for r in result["rows"] if r["path"] == "cute"}
-    out = ["| tokens | " + " | ".join(f"{tb} a cluster" for tb in tbs) + " |",
-           "| --- |" + " --- |" * len(tbs)]  # fmt: skip
+    variants = sorted({(r.get("per_sm", 2), r["tb"]) for r in cute}, key=lambda v: (-v[0], v[1]))
+    planned = {r["tokens"]: (r["plan"].get("per_sm", 2), r["plan"]["tb"])
+               for r in result["rows"] if r["path"] == "cute"}  # fmt: skip
+    name = {2: "", 1: ", 1 an SM"}
+    out = ["| tokens | " + " | ".join(f"{tb} a cluster{name[n]}" for n, tb in variants) + " |",
+           "| --- |" + " --- |" * len(variants)]  # fmt: skip
     for m in sorted({r["tokens"] for r in cute}):
-        us = {r["tb"]: r["us"] for r in cute if r["tokens"] == m}
-        cells = [("" if tb not in us else f"**{us[tb]:.2f}**" if tb == planned.get(m)
-                  else f"{us[tb]:.2f}") for tb in tbs]  # fmt: skip
+        us = {(r.get("per_sm", 2), r["tb"]): r["us"] for r in cute if r["tokens"] == m}
+        cells = [("" if v not in us else f"**{us[v]:.2f}**" if v == planned.get(m)
+                  else f"{us[v]:.2f}") for v in variants]  # fmt: skip
         out.append(f"| {m} | " + " | ".join(cells) + " |")
     return out
 

@@ -30,14 +30,18 @@ def mhc_cases() -> int:
               (expand, False, True, 1, f32, False, True),
               (post, True, False, 1, f32, True, False)]  # fmt: skip
     cases += [(post, False, True, tb, f32, True, True) for tb in tbs]
+    cases = [(*case, 2) for case in cases]
+    # Built for one CTA an SM (what the benchmark's sweep times beside): the post at 4 and
+    # 8 tokens a cluster (32 and 64 tokens where 8 such clusters fit).
+    cases += [(post, False, True, tb, f32, False, False, 1) for tb in (4, 8)]
     compiled = []
-    for n, (mode, head, store, tb, weights, pend_in, pend_out) in enumerate(cases):
+    for n, (mode, head, store, tb, weights, pend_in, pend_out, per_sm) in enumerate(cases):
         kernel = cute_mhc.compile_boundary(cute_mhc.slot_dtypes(weights), mode=mode, head=head,
                                            store=store, tb=tb, pend_in=pend_in,
-                                           pend_out=pend_out, **CONFIG)  # fmt: skip
+                                           pend_out=pend_out, per_sm=per_sm, **CONFIG)  # fmt: skip
         compiled.append(kernel)
         for kept in Path().glob("*CuteBoundary*.ptx"):  # the DSL names it by the function
-            pend = "-in" * pend_in + "-out" * pend_out
+            pend = "-in" * pend_in + "-out" * pend_out + "-wide" * (per_sm == 1)
             kept.rename(f"mhc-{n}-{'head' if head else 'mix'}{pend}.ptx")
     # The benchmark's timestamped build (benchmarks/boundary.py --phases), one token a cluster.
     stamped = cute_mhc.compile_boundary(cute_mhc.slot_dtypes(f32), mode=post, head=False,
@@ -48,7 +52,7 @@ def mhc_cases() -> int:
     assert "%globaltimer" in ptx and "%clock64" in ptx, "no timestamps in the phases build"
     kept.rename("stamped.ptx")  # not one of the mhc-*.ptx the parent checks for the design
     # Once a process: asked again (another decode's boundary), the same kernel, no compile.
-    mode, head, store, tb, weights, _, _ = cases[0]
+    mode, head, store, tb, weights, _, _, _ = cases[0]
     again = cute_mhc.compile_boundary(cute_mhc.slot_dtypes(weights), mode=mode, head=head,
                                       store=store, tb=tb, **CONFIG)  # fmt: skip
     assert again is compiled[0] and len({id(c) for c in compiled}) == len(cases)

@@ -199,3 +199,31 @@ def test_cute_plan_keeps_every_cluster_resident():
         assert groups <= n and groups * tb >= m and (tb == 1 or -(-m // (tb - 1)) > n), m
     four = op._compile_cute(POST, False, True, 4, ("float32",) * 3 + ("bfloat16",))
     assert min(cute_mhc.resident_clusters(four, 4096 // cute_mhc.CLUSTER), MAX_CLUSTERS) == n
+
+
+@pytest.mark.parametrize("m", [29, 64])
+def test_one_cta_an_sm_matches_reference(m):
+    """The build for one CTA an SM (`per_sm` 1: up to 255 registers a thread, what the
+    benchmark's sweep times beside the plan's two) at 8 tokens a cluster: the post against
+    the reference, NaN-poisoned outputs, and the driver's count of its resident clusters
+    (an SM's worth of registers a CTA: at most one cluster a GPC)."""
+    from glm5_kernels.mhc import cute_mhc
+
+    c = config(4096)
+    op = _boundary(c, "cute")
+    op.cute_tb, op.cute_per_sm = (lambda _m: 8), (lambda _m: 1)
+    gen = torch.Generator("cuda").manual_seed(m)
+    fn, scale, base, norm = site_weights(c, "cuda", gen)
+    x, streams, post, comb = boundary_inputs(c, m, "cuda", gen)
+    got = op.post_pre(x, streams, post, comb, fn, scale, base, norm, out=poisoned_out(c, m, "cuda"))
+    assert {key[3:] for key in op._cute} == {(8, ("float32",) * 3 + ("bfloat16",), False, False, 1)}
+    cpu = [t.cpu() for t in (x, streams, post, comb, fn, scale, base, norm)]
+    eps = {"rms_eps": c.rms_eps, "hc_eps": c.hc_eps, "sinkhorn_iters": c.sinkhorn_iters}
+    want = hc_fused_post_pre_ref(*cpu, **eps, norm_eps=c.norm_eps)
+    got = [t.cpu() for t in got]
+    assert_streams(got[0], want[0])
+    assert_mix(got[1], got[2], want[1], want[2])
+    assert_normed(got[3], want[3])
+    (wide,) = op._cute.values()
+    n = cute_mhc.resident_clusters(wide, c.hidden // cute_mhc.CLUSTER)
+    assert n is None or 1 <= n <= op.resident_clusters(), n

@@ -204,6 +204,13 @@ class MhcBoundary:
         """Tokens a cluster of the CuTe kernel at m tokens (`tokens_a_cluster`)."""
         return tokens_a_cluster(m, self.resident_clusters())
 
+    def cute_per_sm(self, m: int) -> int:
+        """CTAs an SM the CuTe kernel is built for at m tokens: two (128 registers a
+        thread), as `tokens_a_cluster` plans. One an SM (no spills at many tokens a cluster,
+        half the clusters re-reading fn) is what `benchmarks/boundary.py --sweep` times
+        beside it; the plan takes it where that measures faster."""
+        return 2
+
     def cute_groups(self, m: int) -> int:
         """The CuTe kernel's clusters at m tokens: a `PendingComb`'s ready words."""
         return -(-m // self.cute_tb(m))
@@ -365,7 +372,8 @@ class MhcBoundary:
             self._kernel[grid](*args, PHASE=phase, **meta)
         return (streams if mode == GIVEN else new), post_out, comb_out, normed
 
-    def _compile_cute(self, mode, head, store, tb, weights, pend_in=False, pend_out=False):
+    def _compile_cute(self, mode, head, store, tb, weights, pend_in=False, pend_out=False,
+                      per_sm=2):  # fmt: skip
         """The CuTe kernel of one static configuration for this boundary's model constants
         (`weights`: the fn, scale, base and norm dtypes' names); the DSL caches each build."""
         from glm5_kernels.mhc import cute_mhc
@@ -375,7 +383,7 @@ class MhcBoundary:
             cute_mhc.slot_dtypes(weights), mode=mode, head=head, store=store, tb=tb,
             hidden=c.hidden, rms_eps=c.rms_eps, hc_eps=c.hc_eps, norm_eps=c.norm_eps,
             post_mult=c.post_mult, sinkhorn_iters=c.sinkhorn_iters, pdl=self._pdl,
-            pend_in=pend_in, pend_out=pend_out,
+            pend_in=pend_in, pend_out=pend_out, per_sm=per_sm,
         )  # fmt: skip
 
     def _run_cute(self, mode, head, store, m, tensors) -> bool:
@@ -389,7 +397,7 @@ class MhcBoundary:
         weights = tuple(str(t.dtype).removeprefix("torch.") if t is not None else "float32"
                         for t in tensors[4:8])  # fmt: skip
         pend_in, pend_out = tensors[13] is not None, tensors[14] is not None  # ready words
-        key = (mode, head, store, tb, weights, pend_in, pend_out)
+        key = (mode, head, store, tb, weights, pend_in, pend_out, self.cute_per_sm(m))
         if key not in self._cute:
             if capturing():
                 raise RuntimeError(f"MhcBoundary: {m} tokens were not prepared; call "

@@ -82,10 +82,10 @@ GRAM = ((0, 0), (0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3), (2, 2), (2, 3), 
 NPART = NMIX + len(GRAM)  # the partial sums of one token: 34
 MIX = H + H * H  # a token's post and comb, as a boundary reads them
 CLUSTER = 16  # CTAs a cluster (H100 / H200 allow 16 with the non-portable attribute)
-# Two CTAs an SM (`min_blocks_per_mp`: ptxas keeps a 256-thread CTA within 128 registers;
-# the 2- and 4-token builds took 143 / 188 unbounded; bounded, 128, with 8-88 bytes of
-# stack from three tokens a cluster), and the shared memory
-# they need (a percentage of the SM's; given, not queried: the kernels compile without a GPU).
+# Two CTAs an SM by default (`per_sm`, `min_blocks_per_mp`: ptxas keeps a 256-thread CTA
+# within 128 registers; the 2- and 4-token builds took 143 / 188 unbounded; bounded, 128,
+# with 8-88 bytes of stack from three tokens a cluster), and the shared memory they need (a
+# percentage of the SM's; given, not queried: the kernels compile without a GPU).
 SMEM_CARVEOUT = 25
 # Where a `phases` build stamps the time (thread 0 of each CTA): entry, the PDL wait's
 # return, the CTA's partial sums reduced, the cluster's partials all arrived, the totals
@@ -231,16 +231,20 @@ def unfit(hidden: int) -> str | None:
 class CuteBoundary:
     """The kernel for one static configuration: `mode` (GIVEN / EXPAND / POST), `head`,
     `store` (the new streams are an output), `tb` tokens a cluster, hidden `D`, the model's
-    eps constants and Sinkhorn iterations."""
+    eps constants and Sinkhorn iterations; `per_sm`: the CTAs an SM it is built for (2:
+    ptxas bounds a thread to 128 registers, from three tokens a cluster it spills, 300 bytes
+    at eight; 1: up to 255, no spills, half the clusters resident — the benchmark's sweep
+    times both)."""
 
     def __init__(self, *, mode: int, head: bool, store: bool, tb: int, hidden: int,
                  rms_eps: float, hc_eps: float, norm_eps: float, post_mult: float,
                  sinkhorn_iters: int, pdl: bool, phases: bool = False,
-                 pend_in: bool = False, pend_out: bool = False):  # fmt: skip
+                 pend_in: bool = False, pend_out: bool = False, per_sm: int = 2):  # fmt: skip
         assert unfit(hidden) is None, unfit(hidden)
         assert not pend_in or mode == POST, "only a post reads a comb"
         assert not pend_out or not head, "the head leaves no comb"
-        self.mode, self.head, self.store, self.tb = mode, head, store, tb
+        assert per_sm in (1, 2), per_sm
+        self.mode, self.head, self.store, self.tb, self.per_sm = mode, head, store, tb, per_sm
         # pend_in: post / comb are a deferred comb's producer's (logits, balanced here before
         # the wait); pend_out: this boundary leaves its comb as logits (module docstring).
         self.pend_in, self.pend_out = pend_in, pend_out
@@ -288,7 +292,7 @@ class CuteBoundary:
         ).launch(
             grid=[CLUSTER, cute.ceil_div(tokens, self.tb), 1], block=[self.W, 1, 1],
             cluster=[CLUSTER, 1, 1], stream=stream, use_pdl=self.pdl,
-            min_blocks_per_mp=2, preferred_smem_carveout=SMEM_CARVEOUT,
+            min_blocks_per_mp=self.per_sm, preferred_smem_carveout=SMEM_CARVEOUT,
         )  # fmt: skip
 
     @cute.kernel
@@ -678,7 +682,7 @@ def compile_boundary(dtypes: tuple[str, ...], **static):
     import cuda.bindings.driver as cuda  # noqa: F401  (the stream type the kernel takes)
 
     # The builds' options at their defaults, spelled out: one key per kernel.
-    static = {"phases": False, "pend_in": False, "pend_out": False, **static}
+    static = {"phases": False, "pend_in": False, "pend_out": False, "per_sm": 2, **static}
     key = (tuple(dtypes), tuple(sorted(static.items())))
     if key not in _COMPILED:
         kernel = CuteBoundary(**static)
