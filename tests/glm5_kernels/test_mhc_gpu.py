@@ -78,6 +78,18 @@ def _poisoned(op, c, m, kind, head=False):
     return out[0], out[1], PendingComb(out[2], ready), out[3]
 
 
+def _post_pre_matches(op, c, inputs, weights, out):
+    """op.post_pre of `inputs` (x, streams, post, comb) into `out` against the reference."""
+    got = op.post_pre(*inputs, *weights, out=out)
+    got = [t.cpu() for t in (got[0], got[1], op.resolve_comb(got[2]), got[3])]
+    eps = {"rms_eps": c.rms_eps, "hc_eps": c.hc_eps, "sinkhorn_iters": c.sinkhorn_iters}
+    want = hc_fused_post_pre_ref(*(t.cpu() for t in (*inputs, *weights)), **eps,
+                                 norm_eps=c.norm_eps)  # fmt: skip
+    assert_streams(got[0], want[0])
+    assert_mix(got[1], got[2], want[1], want[2])
+    assert_normed(got[3], want[3])
+
+
 @pytest.mark.parametrize("m", TOKENS)
 def test_boundaries_match_reference(setup, m):
     c, op, (fn, scale, base, norm), gen, kind = setup
@@ -98,12 +110,8 @@ def test_boundaries_match_reference(setup, m):
     assert_mix(got[1], got[2], r_post, r_comb)
     assert_normed(got[3], rms_norm_ref(collapsed, nc, c.norm_eps))
 
-    got = op.post_pre(x, streams, post, comb, fn, scale, base, norm, out=_poisoned(op, c, m, kind))
-    got = [t.cpu() for t in (got[0], got[1], op.resolve_comb(got[2]), got[3])]
-    want = hc_fused_post_pre_ref(*cpu, **eps, norm_eps=c.norm_eps)
-    assert_streams(got[0], want[0])
-    assert_mix(got[1], got[2], want[1], want[2])
-    assert_normed(got[3], want[3])
+    _post_pre_matches(op, c, (x, streams, post, comb), (fn, scale, base, norm),
+                      _poisoned(op, c, m, kind))  # fmt: skip
 
     got = op.head(x, streams, post, comb, norm, out=poisoned_out(c, m, "cuda", head=True))
     want = rms_norm_ref(hc_head_ref(hc_post_ref(xc, sc, pc, cc)), nc, c.norm_eps)
@@ -215,15 +223,9 @@ def test_one_cta_an_sm_matches_reference(m):
     gen = torch.Generator("cuda").manual_seed(m)
     fn, scale, base, norm = site_weights(c, "cuda", gen)
     x, streams, post, comb = boundary_inputs(c, m, "cuda", gen)
-    got = op.post_pre(x, streams, post, comb, fn, scale, base, norm, out=poisoned_out(c, m, "cuda"))
+    _post_pre_matches(op, c, (x, streams, post, comb), (fn, scale, base, norm),
+                      poisoned_out(c, m, "cuda"))  # fmt: skip
     assert {key[3:] for key in op._cute} == {(8, ("float32",) * 3 + ("bfloat16",), False, False, 1)}
-    cpu = [t.cpu() for t in (x, streams, post, comb, fn, scale, base, norm)]
-    eps = {"rms_eps": c.rms_eps, "hc_eps": c.hc_eps, "sinkhorn_iters": c.sinkhorn_iters}
-    want = hc_fused_post_pre_ref(*cpu, **eps, norm_eps=c.norm_eps)
-    got = [t.cpu() for t in got]
-    assert_streams(got[0], want[0])
-    assert_mix(got[1], got[2], want[1], want[2])
-    assert_normed(got[3], want[3])
     (wide,) = op._cute.values()
     n = cute_mhc.resident_clusters(wide, c.hidden // cute_mhc.CLUSTER)
     assert n is None or 1 <= n <= op.resident_clusters(), n

@@ -207,8 +207,8 @@ class MhcBoundary:
     def cute_per_sm(self, m: int) -> int:
         """CTAs an SM the CuTe kernel is built for at m tokens: two (128 registers a
         thread), as `tokens_a_cluster` plans. One an SM (no spills at many tokens a cluster,
-        half the clusters re-reading fn) is what `benchmarks/boundary.py --sweep` times
-        beside it; the plan takes it where that measures faster."""
+        half the clusters re-reading fn) is built for `benchmarks/boundary.py --sweep` to time
+        beside it; the plan keeps two until that sweep measures one faster."""
         return 2
 
     def cute_groups(self, m: int) -> int:
