@@ -229,7 +229,11 @@ def kda_decode_kernel(
                  mask=live[:, None])  # fmt: skip
 
     o_all = tl.zeros([TP, BV], tl.float32)
+    next_slot = tl.load(write_slot_ptr + r * T).to(tl.int64)
     for t in tl.static_range(T):
+        slot = next_slot
+        if t + 1 < T:  # loaded ahead: after this token's store it would wait a round trip
+            next_slot = tl.load(write_slot_ptr + r * T + t + 1).to(tl.int64)
         q_t, k_t = _row(q, tt, t), _row(k, tt, t)
         s = s * _row(decay, tt, t)[None, :]
         beta_t = tl.sum(tl.where(tt == t, beta, 0.0), axis=0)
@@ -238,10 +242,8 @@ def kda_decode_kernel(
         o = round_bf16(tl.sum(s * q_t[None, :], axis=1), INTERPRETER)  # the model dtype
         o_all = tl.where(tt[:, None] == t, o[None, :], o_all)
         if KEEP:
-            slot = tl.load(write_slot_ptr + r * T + t).to(tl.int64)
             _store_state(rec_ptr, slot, stride_rs, state_at, s, BV, K)
-    if not KEEP:
-        slot = tl.load(write_slot_ptr + r * T + T - 1).to(tl.int64)
+    if not KEEP:  # `slot`: the last token's
         _store_state(rec_ptr, slot, stride_rs, state_at, s, BV, K)
 
     out_at = out_ptr + rows[:, None] * stride_out + h * V

@@ -209,16 +209,19 @@ def _pick_routes(part_ptr, logits_ptr, bias_ptr, ids_ptr, weights_ptr, M, E, sca
         choice = tl.where(valid[None, :], score + bias[None, :], -float("inf"))
         key = (_ordered(choice).to(tl.int64) << 32) | (BE - 1 - cols)[None, :].to(tl.int64)
         ids = tl.zeros([BT, KP], dtype=tl.int32)
-        s = tl.zeros([BT, KP], dtype=tl.float32)
+        route = tl.full([BT, BE], -1, dtype=tl.int32)  # which pick took each expert
         for j in tl.static_range(TOP_K):
             best = tl.max(key, axis=1)
             idx = (BE - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
             hit = cols[None, :] == idx[:, None]
             ids = tl.where(kcols[None, :] == j, idx[:, None], ids)
-            # The picked score alone in its row: a sum of it and zeros, exactly it.
-            picked_score = tl.sum(tl.where(hit, score, 0.0), axis=1)
-            s = tl.where(kcols[None, :] == j, picked_score[:, None], s)
+            route = tl.where(hit, j, route)
             key = tl.where(hit, -(2**62), key)
+        # Every pick's score at once, after the picks (one reduction, not one a pick: each
+        # is a CTA-wide round of barriers): route j's score alone in its row among zeros,
+        # so the sum is exactly it.
+        mine = route[:, None, :] == kcols[None, :, None]
+        s = tl.sum(tl.where(mine, score[:, None, :], 0.0), axis=2)
         weights = s / (tl.sum(s, axis=1)[:, None] + 1e-20) * scaling
         picked = live & (kcols[None, :] < TOP_K)
         out = tok[:, None] * TOP_K + kcols[None, :]
