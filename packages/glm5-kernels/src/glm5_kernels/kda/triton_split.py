@@ -114,7 +114,6 @@ def kda_recurrence_kernel(
     vv = jv * BV + tl.arange(0, M)[:, None] * NW + tl.arange(0, NW)[None, :]  # [M, NW]
     state_at = h * (V * K) + vv[:, :, None] * K + kk
     s = tl.load(rec_ptr + tl.load(read_slot_ptr + r).to(tl.int64) * stride_rs + state_at)
-    norm_w = tl.load(norm_w_ptr + vv).to(tl.float32)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -148,6 +147,7 @@ def kda_recurrence_kernel(
                 gate = tl.load(gbuf_ptr + (row0 + t) * (H * V) + h * V + vv)
             else:
                 gate = tl.load(gate_ptr + (row0 + t) * stride_g + h * V + vv).to(tl.float32)
+            norm_w = tl.load(norm_w_ptr + vv).to(tl.float32)
             rms = tl.sqrt_rn(tl.sum(tl.sum(o * o, axis=1), axis=0) / V + eps)
             y = norm_w * (o / rms) * torch_sigmoid(gate, INTERPRETER)
             tl.store(at, narrow(y, tl.bfloat16, INTERPRETER))
