@@ -258,6 +258,8 @@ def main() -> None:
     if args.table:
         print(table(args.table))
         return
+    if not args.vllm_ops:  # every row times vLLM's ops beside ours
+        parser.error("--vllm-ops FOLDER is required (vLLM 0.33's files: vllm_files.py)")
     gen = torch.Generator("cuda").manual_seed(0)
     bw = floor_bandwidth()
     vk = vllm_ops(args.vllm_ops)

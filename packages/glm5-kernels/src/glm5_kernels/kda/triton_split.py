@@ -114,6 +114,7 @@ def kda_recurrence_kernel(
     vv = jv * BV + tl.arange(0, M)[:, None] * NW + tl.arange(0, NW)[None, :]  # [M, NW]
     state_at = h * (V * K) + vv[:, :, None] * K + kk
     s = tl.load(rec_ptr + tl.load(read_slot_ptr + r).to(tl.int64) * stride_rs + state_at)
+    norm_w = tl.load(norm_w_ptr + vv).to(tl.float32)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -121,33 +122,25 @@ def kda_recurrence_kernel(
     out_at = out_ptr + row0 * stride_out + h * V
     nq, nk, nd, nv, nb = _token(q_ptr, k_ptr, decay_ptr, v_ptr, beta_ptr, row0, h, H, kk, vv,
                                 K, V, NW)  # fmt: skip
-    slot = tl.load(write_slot_ptr + r * T).to(tl.int64)
-    # A rolled loop: unrolled, every token's inputs were loaded at the top (~21 registers a
-    # token a thread: 127 at 4 tokens against 64 at one), fewer CTAs an SM and fewer state
-    # bytes in flight. Each round loads the next round's inputs and slot (the last round its
-    # own again, unused): in flight while this token's state is stored, and a load placed
-    # after a store the compiler cannot tell apart from it would wait behind it.
-    for t in tl.range(0, T, loop_unroll_factor=1):
+    for t in tl.static_range(T):
         q_t, k_t, d_t, v_t, b_t = nq, nk, nd, nv, nb
-        after = tl.minimum(t + 1, T - 1)
-        nq, nk, nd, nv, nb = _token(q_ptr, k_ptr, decay_ptr, v_ptr, beta_ptr, row0 + after, h, H,
-                                    kk, vv, K, V, NW)  # fmt: skip
-        next_slot = tl.load(write_slot_ptr + r * T + after).to(tl.int64)
+        if t + 1 < T:  # the next token's, in flight while this one's state is stored
+            nq, nk, nd, nv, nb = _token(q_ptr, k_ptr, decay_ptr, v_ptr, beta_ptr, row0 + t + 1,
+                                        h, H, kk, vv, K, V, NW)  # fmt: skip
         s = s * d_t
         delta = (v_t - tl.sum(s * k_t, axis=2)[:, :, None]) * b_t
         s = s + delta * k_t
         o = round_bf16(tl.sum(s * q_t, axis=2), INTERPRETER)  # [M, NW], the model dtype
         if KEEP:
+            slot = tl.load(write_slot_ptr + r * T + t).to(tl.int64)
             keep = (tl.zeros([M, NW, K], tl.int64) + slot) >= 0
             tl.store(rec_ptr + slot * stride_rs + state_at, s, mask=keep)
-        slot = next_slot  # after the last round: the last token's
         at = out_at + t * stride_out + vv
         if NV == 1:  # the whole head here: this token's norm from registers
             if RG > 0:
                 gate = tl.load(gbuf_ptr + (row0 + t) * (H * V) + h * V + vv)
             else:
                 gate = tl.load(gate_ptr + (row0 + t) * stride_g + h * V + vv).to(tl.float32)
-            norm_w = tl.load(norm_w_ptr + vv).to(tl.float32)
             rms = tl.sqrt_rn(tl.sum(tl.sum(o * o, axis=1), axis=0) / V + eps)
             y = norm_w * (o / rms) * torch_sigmoid(gate, INTERPRETER)
             tl.store(at, narrow(y, tl.bfloat16, INTERPRETER))
@@ -156,6 +149,7 @@ def kda_recurrence_kernel(
             tl.store(part_ptr + ((row0 + t) * H + h) * NV + jv,
                      tl.sum(tl.sum(o * o, axis=1), axis=0))  # fmt: skip
     if not KEEP:
+        slot = tl.load(write_slot_ptr + r * T + T - 1).to(tl.int64)
         keep = (tl.zeros([M, NW, K], tl.int64) + slot) >= 0
         tl.store(rec_ptr + slot * stride_rs + state_at, s, mask=keep)
     if NV > 1:  # noqa: SIM102 (a compile-time branch, then a run-time one)
