@@ -38,7 +38,9 @@ def moe_weights(e: int, d: int, i: int, device, gen: torch.Generator, e8m0: bool
 def routings(m: int, e: int, device, gen: torch.Generator, bias: torch.Tensor):
     """name -> (router logits [m, e], correction bias [e]): random scores; exact ties (equal
     scores, and a bias equal on every third expert: the lower ids of those win); one expert
-    every token picks; every token on the same experts."""
+    every token picks, under a bias that puts every score + bias below -2 (the same routes
+    as without it: a pick's removed expert must stay below every value, not just above
+    -2); every token on the same experts."""
     rand = torch.randn(m, e, generator=gen, device=device) * 2
     hot = rand.clone()
     hot[:, e // 2] = 30.0
@@ -47,7 +49,7 @@ def routings(m: int, e: int, device, gen: torch.Generator, bias: torch.Tensor):
     return {
         "random": (rand, bias),
         "ties": (torch.zeros(m, e, device=device), tied),
-        "hot-expert": (hot, bias),
+        "hot-expert": (hot, bias - 3.0),
         "same-experts": (rand[:1].expand(m, e).contiguous(), bias),
     }
 

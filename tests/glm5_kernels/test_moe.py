@@ -306,7 +306,8 @@ def test_router_inside_the_routing_launch(d, m, apart):
     w = moe_weights(E, d, I, "cpu", gen)
     x = padded(torch.randn(m, d, generator=gen).bfloat16())
     bias = torch.randn(E, generator=gen) * 0.1
-    gates = {"random": ((torch.randn(E, d, generator=gen) / d**0.5).bfloat16(), bias)}
+    # Every score + bias below -2: a pick's removed expert must stay below all of them.
+    gates = {"random": ((torch.randn(E, d, generator=gen) / d**0.5).bfloat16(), bias - 3.0)}
     if d == 256:
         gates["ties"] = (torch.zeros(E, d, dtype=torch.bfloat16),
                          routings(m, E, "cpu", gen, bias)["ties"][1])  # fmt: skip

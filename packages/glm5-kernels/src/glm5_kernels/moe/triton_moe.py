@@ -36,6 +36,11 @@ from glm5_kernels.triton_primitives import (
 )
 
 
+# A picked expert's key: below every key, padding's (-inf: ~-2^63 + 2^55) included. Not a
+# value's: an expert whose score + bias is below -2 has a key below -2^62.
+REMOVED: tl.constexpr = tl.constexpr(-(2**63))
+
+
 @triton.jit
 def _ordered(v):
     """FP32 -> int32 of the same order (negative values: magnitude bits flipped)."""
@@ -166,7 +171,7 @@ def route_kernel(
             best = tl.max(key, axis=0)
             idx = (BE - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
             ids = tl.where(kcols == j, idx, ids)
-            key = tl.where(cols == idx, -(2**62), key)
+            key = tl.where(cols == idx, REMOVED, key)
         picked = kcols < TOP_K
         s = torch_sigmoid(tl.load(logits_ptr + t * stride_lm + ids, mask=picked, other=0.0),
                           INTERPRETER)  # fmt: skip
@@ -216,7 +221,7 @@ def _pick_routes(part_ptr, logits_ptr, bias_ptr, ids_ptr, weights_ptr, M, E, sca
             hit = cols[None, :] == idx[:, None]
             ids = tl.where(kcols[None, :] == j, idx[:, None], ids)
             route = tl.where(hit, j, route)
-            key = tl.where(hit, -(2**62), key)
+            key = tl.where(hit, REMOVED, key)
         # Every pick's score at once, after the picks (one reduction, not one a pick: each
         # is a CTA-wide round of barriers): route j's score alone in its row among zeros,
         # so the sum is exactly it.
