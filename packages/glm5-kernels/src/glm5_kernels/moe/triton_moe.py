@@ -35,7 +35,6 @@ from glm5_kernels.triton_primitives import (
     torch_sigmoid,
 )
 
-
 # A picked expert's key: below every key, padding's (-inf: ~-2^63 + 2^55) included. Not a
 # value's: an expert whose score + bias is below -2 has a key below -2^62.
 REMOVED: tl.constexpr = tl.constexpr(-(2**63))
