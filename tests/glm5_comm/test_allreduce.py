@@ -64,7 +64,9 @@ def _worker(rank: int, buffers: list, failures) -> None:
                 want = want + p.float()
             out = torch.full_like(parts[rank], float("nan"))
             got = reduce(parts[rank], out=out)
-            assert got is out and torch.equal(got, want.bfloat16()), (rank, step)
+            assert got is out
+            if not torch.equal(got, want.bfloat16()):  # what a rare failure needs to be read
+                raise AssertionError(_mismatch(got, want.bfloat16(), parts, rank, step))
         mine = buffers[rank]
         peers = [p for p in range(world) if p != rank]
         # Every value received was cleared once read: all slots are the sentinel again.
@@ -73,6 +75,27 @@ def _worker(rank: int, buffers: list, failures) -> None:
     except BaseException as e:  # report, so the parent fails with the reason
         failures.put(f"rank {rank}: {type(e).__name__}: {e}")
         raise
+
+
+def _mismatch(got, want, parts, rank: int, step: int) -> str:
+    """Where a rank's sum is wrong, and whether its values are a stale or partial sum: each
+    wrong element's value beside the sum without each peer's partial and the sums of the
+    steps sharing this one's slot (a value read from a slot before its peer rewrote it)."""
+    bad = (got != want) & ~(got.isnan() & want.isnan())
+    where = bad.nonzero().tolist()
+    lines = [f"rank {rank} step {step}: {len(where)} of {got.numel()} wrong, "
+             f"{int(got.isnan().sum())} NaN"]  # fmt: skip
+    world = len(parts)
+    for i, j in where[:4]:
+        without = [float(sum(p[i, j].float() for q, p in enumerate(parts) if q != drop))
+                   for drop in range(world)]  # fmt: skip
+        stale = [float(sum(p[i, j].float() for p in _partials(world, s)))
+                 for s in range(step % 3, step, 3) if i < SIZES[s]]  # fmt: skip
+        lines.append(
+            f"  [{i}, {j}] got {float(got[i, j])} want {float(want[i, j])}; "
+            f"without a peer {without}; this slot's earlier sums {stale}"
+        )
+    return "\n".join(lines)
 
 
 def _spawn(worker, world: int, dtype=torch.int16, sentinel=SENTINEL) -> None:
