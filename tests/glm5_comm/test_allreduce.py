@@ -66,7 +66,9 @@ def _worker(rank: int, buffers: list, failures) -> None:
             got = reduce(parts[rank], out=out)
             assert got is out
             if not torch.equal(got, want.bfloat16()):  # what a rare failure needs to be read
-                raise AssertionError(_mismatch(got, want.bfloat16(), parts, rank, step))
+                # A timed-out wait's code (its values NaN), else 0: a stale or torn value.
+                failed = int(reduce.mailbox.failed)
+                raise AssertionError(_mismatch(got, want.bfloat16(), parts, rank, step, failed))
         mine = buffers[rank]
         peers = [p for p in range(world) if p != rank]
         # Every value received was cleared once read: all slots are the sentinel again.
@@ -77,14 +79,14 @@ def _worker(rank: int, buffers: list, failures) -> None:
         raise
 
 
-def _mismatch(got, want, parts, rank: int, step: int) -> str:
+def _mismatch(got, want, parts, rank: int, step: int, failed: int) -> str:
     """Where a rank's sum is wrong, and whether its values are a stale or partial sum: each
     wrong element's value beside the sum without each peer's partial and the sums of the
     steps sharing this one's slot (a value read from a slot before its peer rewrote it)."""
     bad = (got != want) & ~(got.isnan() & want.isnan())
     where = bad.nonzero().tolist()
     lines = [f"rank {rank} step {step}: {len(where)} of {got.numel()} wrong, "
-             f"{int(got.isnan().sum())} NaN"]  # fmt: skip
+             f"{int(got.isnan().sum())} NaN, mailbox failure code {failed}"]  # fmt: skip
     world = len(parts)
     for i, j in where[:4]:
         without = [float(sum(p[i, j].float() for q, p in enumerate(parts) if q != drop))
