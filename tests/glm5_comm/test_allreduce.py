@@ -52,6 +52,11 @@ def _partials(world: int, step: int) -> list[torch.Tensor]:
     return parts
 
 
+def _rank_order_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """What every rank must hold: the partials summed in FP32 in rank order, rounded once."""
+    return sum((p.float() for p in parts[1:]), parts[0].float()).bfloat16()
+
+
 def _worker(rank: int, buffers: list, failures) -> None:
     torch.set_num_threads(1)
     world = len(buffers)
@@ -59,16 +64,14 @@ def _worker(rank: int, buffers: list, failures) -> None:
         reduce = AllReduce(Mailbox.of_tensors(buffers, rank, D, MAX_TOKENS), block_cols=64)
         for step in range(len(SIZES)):
             parts = _partials(world, step)
-            want = parts[0].float()
-            for p in parts[1:]:
-                want = want + p.float()
+            want = _rank_order_sum(parts)
             out = torch.full_like(parts[rank], float("nan"))
             got = reduce(parts[rank], out=out)
             assert got is out
-            if not torch.equal(got, want.bfloat16()):  # what a rare failure needs to be read
+            if not torch.equal(got, want):  # what a rare failure needs to be read
                 # A timed-out wait's code (its values NaN), else 0: a stale or torn value.
                 failed = int(reduce.mailbox.failed)
-                raise AssertionError(_mismatch(got, want.bfloat16(), parts, rank, step, failed))
+                raise AssertionError(_mismatch(got, want, parts, rank, step, failed))
         mine = buffers[rank]
         peers = [p for p in range(world) if p != rank]
         # Every value received was cleared once read: all slots are the sentinel again.
@@ -83,19 +86,18 @@ def _mismatch(got, want, parts, rank: int, step: int, failed: int) -> str:
     """Where a rank's sum is wrong, and whether its values are a stale or partial sum: each
     wrong element's value beside the sum without each peer's partial and the sums of the
     steps sharing this one's slot (a value read from a slot before its peer rewrote it)."""
-    bad = (got != want) & ~(got.isnan() & want.isnan())
-    where = bad.nonzero().tolist()
+    where = (got != want).nonzero().tolist()  # a NaN included: want has none
     lines = [f"rank {rank} step {step}: {len(where)} of {got.numel()} wrong, "
              f"{int(got.isnan().sum())} NaN, mailbox failure code {failed}"]  # fmt: skip
     world = len(parts)
+    without = [_rank_order_sum(parts[:drop] + parts[drop + 1 :]) for drop in range(world)]
+    earlier = [_rank_order_sum(_partials(world, s)) for s in range(step % 3, step, 3)]
     for i, j in where[:4]:
-        without = [float(sum(p[i, j].float() for q, p in enumerate(parts) if q != drop))
-                   for drop in range(world)]  # fmt: skip
-        stale = [float(sum(p[i, j].float() for p in _partials(world, s)))
-                 for s in range(step % 3, step, 3) if i < SIZES[s]]  # fmt: skip
+        without_ij = [float(y[i, j]) for y in without]
+        stale = [float(y[i, j]) for y in earlier if i < y.shape[0]]
         lines.append(
             f"  [{i}, {j}] got {float(got[i, j])} want {float(want[i, j])}; "
-            f"without a peer {without}; this slot's earlier sums {stale}"
+            f"without a peer {without_ij}; this slot's earlier sums {stale}"
         )
     return "\n".join(lines)
 
@@ -135,7 +137,7 @@ def _boundary_worker(rank: int, buffers: list, failures) -> None:
             site = site_weights(c, "cpu", gen)
             _, streams, post, comb = boundary_inputs(c, m, "cpu", gen)
             parts = [torch.randn(m, D, generator=gen).bfloat16() for _ in range(world)]
-            y = sum((p.float() for p in parts[1:]), parts[0].float()).bfloat16()
+            y = _rank_order_sum(parts)
             got = op.post_pre(parts[rank], streams, post, comb, *site)
             want = hc_fused_post_pre_ref(y, streams, post, comb, *site, **eps)
             assert_streams(got[0], want[0])
@@ -165,7 +167,7 @@ def _norm_worker(rank: int, buffers: list, failures) -> None:
         for step, m in enumerate((3, 1, 8, 2)):
             parts = [torch.randn(m, D, generator=gen).bfloat16() for _ in range(world)]
             residual = torch.randn(m, D, generator=gen).bfloat16()
-            y = sum((p.float() for p in parts[1:]), parts[0].float()).bfloat16()
+            y = _rank_order_sum(parts)
             want_res = (y.float() + residual.float()).bfloat16()
             want = rms_norm_ref(want_res, weight, 1e-5)
             out = (torch.full_like(residual, float("nan")), torch.full_like(residual, float("nan")))
